@@ -1,0 +1,49 @@
+"""The frozen half of a projection: a dense weight, or 4-bit bytes with their quantization state."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+
+class FrozenBase(NamedTuple):
+    """What a fused Function needs of a base layer. Never receives a gradient except `bias` when trainable.
+
+    weight: dense `[out_features, in_features]`, or bitsandbytes' packed 4-bit bytes.
+    bias: `[out_features]` or None.
+    quant: a `Quant4bitState` for 4-bit weights, None for dense ones.
+    """
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    quant: Optional[Any]
+
+
+class LoraWeights(NamedTuple):
+    """One adapter of one projection: out = base(x) + scale * (x @ lora_a.T) @ lora_b.T."""
+
+    lora_a: torch.Tensor  # [r, in_features]
+    lora_b: torch.Tensor  # [out_features, r]
+    scale: float
+
+
+def base_out_features(base: FrozenBase) -> int:
+    if base.quant is None:
+        return base.weight.shape[0]
+    return base.quant.shape[0]
+
+
+def materialize_weight(base: FrozenBase, dtype: torch.dtype) -> torch.Tensor:
+    """The base weight as a dense `[out, in]` tensor of `dtype` (4-bit: dequantized by our kernel).
+
+    4-bit weights are dequantized to the dtype bitsandbytes would give (the state's dtype), then cast
+    if the compute dtype differs, so the result is bit-identical to bitsandbytes' own path.
+    """
+    if base.quant is None:
+        weight = base.weight
+    else:
+        from ..kernels.dequant4bit import dequantize
+
+        weight = dequantize(base.quant, base.weight, base.quant.dtype)
+    return weight if weight.dtype == dtype else weight.to(dtype)

@@ -1,0 +1,148 @@
+"""`LoraSharedInputFunction`: one or more LoRA projections of the same input in one autograd call.
+
+A single `nn.Linear` is a group of one; q/k/v reading the same hidden state are a group of three.
+
+    out_i = x @ W_i.T + bias_i + scale_i * (x @ A_i.T) @ B_i.T
+
+Forward reads x once for every A_i (their rows side by side) and saves x and the small
+`xa = x @ [A_1; ...; A_P].T` (fp32, [tokens, sum r]); the base weights are re-materialized in
+backward (4-bit: dequantized again) instead of saved. Backward hoists `g_i @ B_i` once per
+projection, reads x once for every dA_i, and accumulates dX of all projections in one buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..dtypes import DtypePlan
+from ..kernels.lora_terms import lora_expand_add, lora_shrink, lora_weight_grad
+from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
+from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
+
+# apply(x, plan, layout, *tensors): positions of the non-tensor arguments before the tensors.
+_FIRST_TENSOR_ARG = 3
+
+
+def _rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
+    slices, start = [], 0
+    for lora in loras:
+        rank = lora.lora_a.shape[0]
+        slices.append(slice(start, start + rank))
+        start += rank
+    return slices
+
+
+def _stacked_lora_a(loras: Sequence[LoraWeights]) -> torch.Tensor:
+    """[sum r, in]: every A of the group, so one pass over x computes all of x @ A_i.T."""
+    if len(loras) == 1:
+        return loras[0].lora_a
+    dtype = functools.reduce(torch.promote_types, [lora.lora_a.dtype for lora in loras])
+    return torch.cat([lora.lora_a.to(dtype) for lora in loras], dim=0)
+
+
+class LoraSharedInputFunction(torch.autograd.Function):
+    """Forward and backward of `P` LoRA projections sharing the input x.
+
+    Inputs: x `[..., in_features]` (fp32, bf16 or fp16); `plan` from `plan_projection_dtypes`;
+    `layout` from `flatten_tensors((bases, loras))`; then the flattened tensors.
+    Outputs: P tensors `[..., out_features_i]` of `plan.out_dtype`.
+    Dtypes: the base matmuls run in `plan.compute_dtype` (fp32 accumulation by the BLAS); the LoRA
+    terms read x, A, B, dY in their own dtypes and accumulate in fp32; each output is rounded once.
+    dX has x's dtype, dA/dB the adapters' dtypes (computed in fp32), dbias the bias's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: DtypePlan, layout, *tensors: torch.Tensor):
+        bases, loras = unflatten_tensors(layout, tensors)
+        x_2d = x.reshape(-1, x.shape[-1])
+        x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
+
+        xa = lora_shrink(x_2d, _stacked_lora_a(loras))
+        outputs = []
+        for base, lora, ranks in zip(bases, loras, _rank_slices(loras)):
+            weight = materialize_weight(base, plan.compute_dtype)
+            bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
+            base_out = F.linear(x_compute, weight, bias)
+            out = lora_expand_add(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
+            outputs.append(out.view(*x.shape[:-1], out.shape[-1]))
+
+        ctx.plan, ctx.layout = plan, layout
+        ctx.save_for_backward(x, xa, *tensors)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
+        x, xa, *tensors = ctx.saved_tensors
+        plan: DtypePlan = ctx.plan
+        bases, loras = unflatten_tensors(ctx.layout, tensors)
+        needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
+        needs_x = ctx.needs_input_grad[0]
+        x_2d = x.reshape(-1, x.shape[-1])
+        tokens = x_2d.shape[0]
+        slices = _rank_slices(loras)
+
+        with torch.autocast(x.device.type, enabled=False):
+            grads_2d = []
+            for base, grad in zip(bases, grad_outputs):
+                out_features = base_out_features(base)
+                if grad is None:  # this output did not reach the loss
+                    grad = x_2d.new_zeros(tokens, out_features, dtype=plan.out_dtype)
+                grads_2d.append(grad.reshape(tokens, out_features))
+
+            needs_a = any(need.lora_a for need in needs_loras)
+            # g_i @ B_i, hoisted: it feeds both dX and dA_i. For one projection the kernels apply the
+            # scale; for a group each block of columns carries its own projection's scale.
+            grad_xa, lora_scale = None, loras[0].scale if len(loras) == 1 else 1.0
+            if (needs_x or needs_a) and len(loras) == 1:
+                grad_xa = lora_shrink(grads_2d[0], loras[0].lora_b.t())
+            elif needs_x or needs_a:
+                grad_xa = torch.cat(
+                    [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)],
+                    dim=1,
+                )
+
+            grad_x = None
+            if needs_x:
+                grad_x_base = None
+                for base, grad in zip(bases, grads_2d):
+                    weight = materialize_weight(base, plan.compute_dtype)
+                    grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
+                    if grad_x_base is None:
+                        grad_x_base = grad_compute @ weight
+                    else:
+                        grad_x_base.addmm_(grad_compute, weight)
+                grad_x = lora_expand_add(grad_x_base, grad_xa, _stacked_lora_a(loras).t(), lora_scale, x.dtype)
+                grad_x = grad_x.view(x.shape)
+
+            grad_loras = []
+            grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
+            for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, slices):
+                grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
+                grad_b = None
+                if need.lora_b:
+                    grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale).t().to(lora.lora_b.dtype)
+                grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
+
+            grad_bases = []
+            for base, need, grad in zip(bases, needs_bases, grads_2d):
+                grad_bias = None
+                if need.bias:
+                    grad_bias = grad.sum(0, dtype=torch.float32).to(base.bias.dtype)
+                grad_bases.append(FrozenBase(None, grad_bias, None))  # the weight stays frozen
+
+        # One gradient per flattened tensor, in the same order: rebuild the tree and flatten it again.
+        grad_tensors = values_in_tensor_slots(ctx.layout, (grad_bases, grad_loras))
+        return (grad_x, None, None, *grad_tensors)
+
+
+def fused_lora_projections(
+    x: torch.Tensor, bases: Sequence[FrozenBase], loras: Sequence[LoraWeights], plan: DtypePlan
+) -> tuple[torch.Tensor, ...]:
+    """Runs `LoraSharedInputFunction` with autocast off inside (the plan already holds its dtypes)."""
+    tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
+    with torch.autocast(x.device.type, enabled=False):
+        return LoraSharedInputFunction.apply(x, plan, layout, *tensors)

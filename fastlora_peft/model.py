@@ -1,0 +1,112 @@
+"""`FastLoraModel`: PEFT's `LoraModel` whose layers are the fused FastLora layers where they can be.
+
+Injection, state-dict keys, merge/unload and adapter management are `LoraModel`'s. This class
+changes which layer class each target becomes (dispatchers, first match wins, PEFT's own after
+ours) and, after injection, says which modules take the fused path and which do not, and why.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import NamedTuple, Optional
+
+from peft.tuners.lora import LoraModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .layers.fused_projection import FusedProjectionMixin, announce_fallback
+from .layers.linear import dispatch_fastlora_linear
+
+
+def dispatch_fastlora_4bit(target: nn.Module, adapter_name: str, config, **kwargs) -> Optional[nn.Module]:
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:  # no bitsandbytes layer can exist: keep it unimported
+        return None
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if not isinstance(base, bnb.nn.Linear4bit):
+        return None
+    from .layers.bnb_4bit import dispatch_fastlora_4bit as dispatch
+
+    return dispatch(target, adapter_name, config, **kwargs)
+
+
+FASTLORA_DISPATCHERS = (dispatch_fastlora_4bit, dispatch_fastlora_linear)
+
+
+class ModuleRoute(NamedTuple):
+    """One adapted module in `fastlora_report()`."""
+
+    name: str  # module path in the model
+    layer: str  # class of the LoRA layer
+    base: str  # class of the wrapped base layer
+    path: str  # "fused" or "peft"
+    reasons: tuple[str, ...]  # why not fused (static), then run-time fallbacks seen so far with their counts
+
+
+class FastLoraModel(LoraModel):
+    """`LoraModel` with fused layers. Use through `get_peft_model(model, FastLoraConfig(...))`."""
+
+    @staticmethod
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        # Custom modules and parameter targets are PEFT features with their own layers: leave them to it.
+        if not lora_config._custom_modules and kwargs.get("parameter_name") is None:
+            for dispatch in FASTLORA_DISPATCHERS:
+                new_module = dispatch(target, adapter_name, lora_config, **kwargs)
+                if new_module is not None:
+                    return new_module
+        return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        self._announce_routes(model, adapter_name)
+
+    def _announce_routes(self, model: nn.Module, adapter_name: str) -> None:
+        config = self.peft_config[adapter_name]
+        fused_only = bool(getattr(config, "fused_only", False))
+        reason_counts: Counter[str] = Counter()
+        for name, module in model.named_modules():
+            if not isinstance(module, BaseTunerLayer) or adapter_name not in getattr(module, "lora_A", {}):
+                continue
+            if isinstance(module, FusedProjectionMixin):
+                module.fastlora_fused_only = fused_only
+            reason = _static_reason(module, adapter_name)
+            if reason is not None:
+                reason_counts[reason] += 1
+        for reason, count in reason_counts.items():
+            announce_fallback(reason, count, fused_only=fused_only)
+
+    def fastlora_report(self) -> list[ModuleRoute]:
+        """Every adapted module with the path its active adapter takes and why."""
+        routes = []
+        for name, module in self.model.named_modules():
+            if not isinstance(module, BaseTunerLayer) or not hasattr(module, "lora_A"):
+                continue
+            active = [a for a in module.active_adapters if a in module.lora_A] or list(module.lora_A.keys())[:1]
+            reasons = [r for r in (_static_reason(module, a) for a in active) if r is not None]
+            runtime = module.__dict__.get("fastlora_fallbacks", {})
+            reasons += [f"{reason} (run time, {count} call(s))" for reason, count in runtime.items()]
+            routes.append(
+                ModuleRoute(
+                    name=name,
+                    layer=type(module).__name__,
+                    base=type(module.get_base_layer()).__name__,
+                    path="peft" if reasons else "fused",
+                    reasons=tuple(reasons),
+                )
+            )
+        return routes
+
+    def format_fastlora_report(self) -> str:
+        """`fastlora_report()` as a table, one module a line."""
+        lines = [f"{'module':60} {'base':12} {'path':6} why not fused"]
+        for route in self.fastlora_report():
+            lines.append(f"{route.name:60} {route.base:12} {route.path:6} {'; '.join(route.reasons)}")
+        return "\n".join(lines)
+
+
+def _static_reason(module: nn.Module, adapter_name: str) -> Optional[str]:
+    if isinstance(module, FusedProjectionMixin):
+        return module.static_blocker(adapter_name)
+    base_name = type(module.get_base_layer()).__name__
+    return f"no fused layer for {base_name} ({type(module).__name__})"
