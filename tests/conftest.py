@@ -1,0 +1,232 @@
+"""Shared helpers of the test suite: tolerance tables, relative errors, dtype layouts, pins.
+
+CI runs everything under TRITON_INTERPRET=1, so CPU tensors go through the Triton kernels; without
+it they take the pure-torch references and the "Triton ran" pins skip.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import pytest
+import torch
+from torch import nn
+
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FUSED_BACKWARD_NODE = "LoraSharedInputFunctionBackward"
+
+requires_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1")
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in float64; NaN anywhere gives inf (never passes)."""
+    actual, expected = actual.double(), expected.double()
+    if not torch.isfinite(actual).all() or not torch.isfinite(expected).all():
+        return float("inf")
+    denominator = expected.norm().item()
+    difference = (actual - expected).norm().item()
+    return difference / denominator if denominator > 0 else difference
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    error = rel_err(actual, expected)
+    assert error <= tol, f"{what}: relative error {error:.3e} > {tol:.1e}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A dtype layout: the base weights, the adapters, the activations, and how the base is stored."""
+
+    id: str
+    base_dtype: torch.dtype  # dense weight dtype, or the 4-bit layer's compute dtype
+    adapter_dtype: torch.dtype
+    x_dtype: torch.dtype
+    quant_type: Optional[str] = None  # "nf4"/"fp4" for bitsandbytes 4-bit bases
+    nested: bool = False  # double quantization of the absmax
+    autocast: Optional[torch.dtype] = None  # run inside torch.autocast("cpu", dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant_type is not None
+
+    @property
+    def autocast_adapter_dtype(self) -> bool:
+        # PEFT's default (True) keeps fp32 adapters on 16-bit bases; False keeps the base's dtype.
+        return self.adapter_dtype == torch.float32
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+LAYOUTS = [
+    Layout("fp32", F32, F32, F32),
+    Layout("bf16", BF16, BF16, BF16),
+    Layout("fp16", F16, F16, F16),
+    Layout("bf16-fp32adapters", BF16, F32, BF16),
+    Layout("fp16-fp32adapters", F16, F32, F16),
+    Layout("nf4-bf16adapters", BF16, BF16, BF16, quant_type="nf4", nested=True),
+    Layout("nf4-fp32adapters", BF16, F32, BF16, quant_type="nf4", nested=True),
+    Layout("fp4-fp16-fp32adapters", F16, F32, F16, quant_type="fp4"),
+    Layout("nf4-fp32x", BF16, F32, F32, quant_type="nf4"),  # fp32 activations (upcast norms) on NF4
+    Layout("fp32-autocast-bf16", F32, F32, F32, autocast=BF16),
+]
+LAYOUT_IDS = [layout.id for layout in LAYOUTS]
+
+
+@contextmanager
+def maybe_autocast(layout: Layout) -> Iterator[None]:
+    if layout.autocast is None:
+        yield
+    else:
+        with torch.autocast("cpu", dtype=layout.autocast):
+            yield
+
+
+def randomize_lora(model: nn.Module, seed: int = 0, std: float = 0.2) -> None:
+    """Fills every lora_A/lora_B with random values (PEFT's zero lora_B would hide bugs)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+                param.copy_(values.to(param.dtype))
+
+
+def copy_lora(source: nn.Module, target: nn.Module) -> None:
+    """Copies every lora_ parameter by name (the two models have the same keys)."""
+    target_params = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            if "lora_" in name:
+                target_params[name].copy_(param)
+
+
+@contextmanager
+def count_lora_sublayer_calls(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Counts forward calls of every PEFT lora_A/lora_B sub-layer: a fused model must show zero."""
+    counts: dict[str, int] = {}
+    handles = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 2)
+        if len(leaf) == 3 and leaf[-2] in ("lora_A", "lora_B") and isinstance(module, nn.Linear):
+
+            def hook(_module, _inputs, _output, name=name):
+                counts[name] = counts.get(name, 0) + 1
+
+            handles.append(module.register_forward_hook(hook))
+    assert handles, "no lora_A/lora_B sub-layers found"
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def autograd_node_names(*roots: torch.Tensor) -> list[str]:
+    """Class names of every node in the autograd graph above `roots`."""
+    seen, names = set(), []
+    stack = [root.grad_fn for root in roots if root.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def lora_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: param.grad for name, param in model.named_parameters() if "lora_" in name and param.grad is not None
+    }
+
+
+def _kernel_objects() -> dict[str, object]:
+    """Every Triton kernel of the package, by name (JITFunction, or InterpretedFunction when interpreting)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    import fastlora_peft.kernels as kernels_package
+
+    found = {}
+    for info in pkgutil.iter_modules(kernels_package.__path__):
+        module = importlib.import_module(f"{kernels_package.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, KernelInterface):
+                found[name] = value
+    return found
+
+
+@pytest.fixture
+def triton_launches(monkeypatch) -> dict[str, int]:
+    """Counts launches of each of the package's Triton kernels during a test, by kernel name."""
+    counts: dict[str, int] = {}
+    for name, kernel in _kernel_objects().items():
+        original_run = kernel.run
+
+        def counting_run(*args, _name=name, _run=original_run, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counting_run)
+    return counts
+
+
+def tiny_llama_config(**overrides):
+    """A Llama config small enough for the interpreter, with odd dense sizes unless overridden."""
+    from transformers import LlamaConfig
+
+    values = dict(
+        hidden_size=48,
+        intermediate_size=88,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=61,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype)
+
+
+def tiny_llama_4bit(tmp_path_factory, layout: Layout, seed: int = 0) -> nn.Module:
+    """A tiny Llama saved in the layout's 16-bit dtype and loaded back through BitsAndBytesConfig (QLoRA).
+
+    bitsandbytes' CPU path needs feature sizes that are multiples of 64.
+    """
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp(f"llama-{layout.id}")
+    tiny_llama(layout.base_dtype, seed, hidden_size=128, intermediate_size=192).save_pretrained(directory)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=layout.quant_type,
+        bnb_4bit_compute_dtype=layout.base_dtype,
+        bnb_4bit_use_double_quant=layout.nested,
+    )
+    return LlamaForCausalLM.from_pretrained(
+        directory, quantization_config=quantization, dtype=layout.base_dtype, device_map="cpu"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime_fallback_warnings():
+    """Run-time fallbacks warn once per reason per process; each test starts with none warned yet."""
+    from fastlora_peft.layers import fused_projection
+
+    fused_projection._WARNED_RUNTIME_REASONS.clear()
+    yield

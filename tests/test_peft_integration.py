@@ -1,0 +1,316 @@
+"""Everything that stays PEFT: save/load, plain-LoRA interchange, merge/disable/unload, adapters,
+announced fallbacks and the report, options, and bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import (
+    FUSED_BACKWARD_NODE,
+    autograd_node_names,
+    copy_lora,
+    count_lora_sublayer_calls,
+    randomize_lora,
+    rel_err,
+    tiny_llama,
+)
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraModel
+from safetensors.torch import load_file
+from torch import nn
+
+from fastlora_peft import (
+    FastLoraConfig,
+    FastLoraFallbackWarning,
+    FastLoraModel,
+    FusedPathError,
+    load_plain_lora,
+    to_plain_lora,
+)
+from fastlora_peft.layers.linear import FastLoraLinear
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def input_ids(batch=2, length=5, seed=0):
+    return torch.randint(0, 61, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def fast_and_peft(config_kwargs=None, seed=1):
+    config_kwargs = dict(r=4, lora_alpha=8, target_modules=TARGETS, **(config_kwargs or {}))
+    base = tiny_llama()
+    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config_kwargs))
+    peft = get_peft_model(base, LoraConfig(**config_kwargs))
+    randomize_lora(fast, seed=seed)
+    copy_lora(fast, peft)
+    return fast, peft
+
+
+def logits(model, ids=None):
+    return model(input_ids=input_ids() if ids is None else ids).logits
+
+
+def assert_fused(output):
+    assert FUSED_BACKWARD_NODE in autograd_node_names(output), "the fused Function did not run"
+
+
+# -- registration, save and load --------------------------------------------------------------------
+
+
+def test_save_has_lora_keys_and_loads_back_as_fastlora(tmp_path):
+    fast, peft = fast_and_peft()
+    fast.save_pretrained(tmp_path / "fast")
+    peft.save_pretrained(tmp_path / "lora")
+
+    config = json.loads((tmp_path / "fast" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "FASTLORA"
+    fast_weights = load_file(tmp_path / "fast" / "adapter_model.safetensors")
+    lora_weights = load_file(tmp_path / "lora" / "adapter_model.safetensors")
+    assert fast_weights.keys() == lora_weights.keys() and len(fast_weights) == 2 * len(TARGETS)
+    for key, value in fast_weights.items():
+        assert value.shape == lora_weights[key].shape and value.dtype == lora_weights[key].dtype, key
+        torch.testing.assert_close(value, lora_weights[key], rtol=0, atol=0)
+
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "fast", is_trainable=True)
+    assert isinstance(loaded.base_model, FastLoraModel)
+    assert isinstance(loaded.peft_config["default"], FastLoraConfig)
+    assert isinstance(loaded.base_model.model.model.layers[0].self_attn.q_proj, FastLoraLinear)
+    out = logits(loaded)
+    assert_fused(out)
+    assert rel_err(out, logits(fast)) < 1e-6
+
+
+def test_plain_lora_interchange_both_ways(tmp_path):
+    fast, peft = fast_and_peft()
+    fast.save_pretrained(tmp_path / "fast")
+    to_plain_lora(tmp_path / "fast", tmp_path / "plain")
+    stock = PeftModel.from_pretrained(tiny_llama(), tmp_path / "plain")
+    assert type(stock.base_model) is LoraModel
+    assert "fused_only" not in json.loads((tmp_path / "plain" / "adapter_config.json").read_text())
+    assert rel_err(logits(stock), logits(fast)) < 1e-6
+
+    peft.save_pretrained(tmp_path / "lora")
+    loaded = load_plain_lora(tiny_llama(), tmp_path / "lora", is_trainable=True)
+    assert isinstance(loaded.base_model, FastLoraModel)
+    out = logits(loaded)
+    assert_fused(out)
+    assert rel_err(out, logits(peft)) < 1e-6
+
+    # Into an existing FastLora model, as a second adapter.
+    host = get_peft_model(tiny_llama(), FastLoraConfig(r=2, target_modules=TARGETS))
+    load_plain_lora(host, tmp_path / "lora", adapter_name="imported")
+    host.set_adapter("imported")
+    assert rel_err(logits(host), logits(peft)) < 1e-6
+
+
+def test_loading_fastlora_folder_needs_the_import(tmp_path):
+    fast, _ = fast_and_peft()
+    fast.save_pretrained(tmp_path)
+    script = (
+        "import sys\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from peft import PeftModel\n"
+        "import json\n"
+        f"base = LlamaForCausalLM(LlamaConfig(**json.loads({json.dumps(fast.config.to_json_string())})))\n"
+        "if sys.argv[1] == 'import':\n"
+        "    import fastlora_peft\n"
+        f"model = PeftModel.from_pretrained(base, {str(tmp_path)!r})\n"
+        "print(type(model.base_model).__name__)\n"
+    )
+    without = subprocess.run([sys.executable, "-c", script, "no"], capture_output=True, text=True)
+    assert without.returncode != 0 and "KeyError: 'FASTLORA'" in without.stderr
+    with_import = subprocess.run([sys.executable, "-c", script, "import"], capture_output=True, text=True)
+    assert with_import.returncode == 0, with_import.stderr[-2000:]
+    assert with_import.stdout.strip().endswith("FastLoraModel")
+
+
+# -- merge, disable, unload, adapters ---------------------------------------------------------------
+
+
+def test_merge_disable_unload_match_peft():
+    fast, peft = fast_and_peft()
+    ids = input_ids()
+    base_out = logits(tiny_llama(), ids)
+    with fast.disable_adapter():
+        assert rel_err(logits(fast, ids), base_out) < 1e-6
+    adapted = logits(fast, ids)
+    fast.merge_adapter()
+    assert rel_err(logits(fast, ids), adapted) < 1e-5
+    fast.unmerge_adapter()
+    assert_fused(logits(fast, ids))
+
+    merged = copy.deepcopy(fast).merge_and_unload()
+    peft_merged = peft.merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert rel_err(logits(merged, ids), logits(peft_merged, ids)) < 1e-6
+    unloaded = fast.unload()
+    assert type(unloaded.model.layers[0].mlp.down_proj) is nn.Linear
+    assert rel_err(logits(unloaded, ids), base_out) < 1e-6
+
+
+def test_second_adapter_fused_and_several_active_announced():
+    fast, peft = fast_and_peft()
+    second = dict(r=3, lora_alpha=5, target_modules=TARGETS)
+    fast.add_adapter("second", FastLoraConfig(**second))
+    peft.add_adapter("second", LoraConfig(**second))
+    randomize_lora(fast, seed=9)
+    copy_lora(fast, peft)
+    ids = input_ids()
+
+    fast.set_adapter("second")
+    peft.set_adapter("second")
+    out = logits(fast, ids)
+    assert_fused(out)
+    assert rel_err(out, logits(peft, ids)) < 1e-5
+
+    fast.base_model.set_adapter(["default", "second"])
+    peft.base_model.set_adapter(["default", "second"])
+    with pytest.warns(FastLoraFallbackWarning, match="several active adapters"):
+        out = logits(fast, ids)
+    assert rel_err(out, logits(peft, ids)) < 1e-5
+    report = {route.name: route for route in fast.fastlora_report()}
+    q_route = report["model.layers.0.self_attn.q_proj"]
+    assert q_route.path == "peft" and "several active adapters" in q_route.reasons[0]
+
+
+# -- announced fallbacks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, reason",
+    [({"use_dora": True}, "use_dora"), ({"lora_bias": True}, "lora_bias")],
+    ids=["dora", "lora_bias"],
+)
+def test_static_fallback_warns_once_with_count_and_strict_raises(option, reason):
+    with pytest.warns(FastLoraFallbackWarning, match=rf"{len(TARGETS)} module\(s\).*{reason}") as record:
+        fast, peft = fast_and_peft(option)
+    assert sum(issubclass(w.category, FastLoraFallbackWarning) for w in record) == 1
+    routes = fast.fastlora_report()
+    assert len(routes) == len(TARGETS) and all(r.path == "peft" and reason in r.reasons[0] for r in routes)
+    with count_lora_sublayer_calls(fast) as calls:
+        out = logits(fast)
+    assert calls, "a fallback module must run PEFT's forward"
+    assert rel_err(out, logits(peft)) < 1e-5
+    with pytest.raises(FusedPathError, match=reason):
+        get_peft_model(tiny_llama(), FastLoraConfig(target_modules=TARGETS, fused_only=True, **option))
+
+
+def test_dropout_falls_back_in_training_only():
+    fast, peft = fast_and_peft({"lora_dropout": 0.1})
+    fast.eval()
+    assert_fused(logits(fast))  # dropout is the identity in eval: fused
+    fast.train()
+    with pytest.warns(FastLoraFallbackWarning, match="lora_dropout"):
+        logits(fast)
+    assert any("lora_dropout" in reason for route in fast.fastlora_report() for reason in route.reasons)
+    strict = get_peft_model(tiny_llama(), FastLoraConfig(target_modules=TARGETS, lora_dropout=0.1, fused_only=True))
+    strict.train()
+    with pytest.raises(FusedPathError, match="lora_dropout"):
+        logits(strict)
+
+
+def test_unsupported_module_type_is_announced():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model = get_peft_model(gpt2, FastLoraConfig(target_modules=["c_attn"], fan_in_fan_out=True))
+    messages = [str(w.message) for w in record if issubclass(w.category, FastLoraFallbackWarning)]
+    assert len(messages) == 1 and "1 module(s)" in messages[0] and "Conv1D" in messages[0]
+    (route,) = model.fastlora_report()
+    assert route.path == "peft" and route.base == "Conv1D"
+
+
+# -- options that stay fused ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"use_rslora": True},
+        {"rank_pattern": {"q_proj": 2, "down_proj": 7}, "alpha_pattern": {"v_proj": 3}},
+    ],
+    ids=["rslora", "rank-alpha-pattern"],
+)
+def test_scaling_options_are_fused_and_match_peft(options):
+    fast, peft = fast_and_peft(options)
+    assert all(route.path == "fused" for route in fast.fastlora_report())
+    ids = input_ids()
+    with count_lora_sublayer_calls(fast) as calls:
+        out = logits(fast, ids)
+    assert not calls
+    assert_fused(out)
+    expected = logits(peft, ids)
+    assert rel_err(out, expected) < 1e-5
+    out.sum().backward()
+    expected.sum().backward()
+    fast_params = dict(fast.named_parameters())
+    for name, param in peft.named_parameters():
+        if param.grad is not None:
+            assert rel_err(fast_params[name].grad, param.grad) < 1e-4, name
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_layer():
+    fast, _ = fast_and_peft()
+    layer = fast.base_model.model.model.layers[0].mlp.down_proj
+    return layer
+
+
+def test_wrong_feature_size_raises_value_error(one_layer):
+    with pytest.raises(ValueError, match=r"\[\.\.\., 88\].*\(3, 87\)"):
+        one_layer(torch.randn(3, 87))
+
+
+def test_zero_tokens_forward_and_backward(one_layer):
+    x = torch.randn(0, 88, requires_grad=True)
+    out = one_layer(x)
+    assert out.shape == (0, 48)
+    out.sum().backward()
+    assert x.grad.shape == (0, 88)
+    assert torch.count_nonzero(one_layer.lora_A["default"].weight.grad) == 0
+
+
+@pytest.mark.parametrize("shape", ["2d", "3d", "transposed", "sliced"])
+def test_input_layouts(one_layer, shape):
+    generator = torch.Generator().manual_seed(3)
+    if shape == "2d":
+        x = torch.randn(7, 88, generator=generator)
+    elif shape == "3d":
+        x = torch.randn(2, 3, 88, generator=generator)
+    elif shape == "transposed":
+        x = torch.randn(88, 7, generator=generator).t()
+    else:
+        x = torch.randn(7, 130, generator=generator)[:, 5:93]
+    assert shape in ("2d", "3d") or not x.is_contiguous()
+    x.requires_grad_()
+    out = one_layer(x)
+    expected_layer = copy.deepcopy(one_layer)
+    lora_out = expected_layer.lora_B["default"](expected_layer.lora_A["default"](x)) * expected_layer.scaling["default"]
+    expected = expected_layer.base_layer(x) + lora_out
+    assert_fused(out)
+    assert rel_err(out, expected) < 1e-6
+    out.sum().backward()
+    x_grad = x.grad.clone()
+    x.grad = None
+    expected.sum().backward()
+    assert rel_err(x_grad, x.grad) < 1e-6
+
+
+def test_nan_stays_in_its_token(one_layer):
+    x = torch.randn(5, 88)
+    x[2, 10] = float("nan")
+    out = one_layer(x)
+    assert torch.isnan(out[2]).all()
+    assert torch.isfinite(out[[0, 1, 3, 4]]).all()
