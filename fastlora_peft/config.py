@@ -38,6 +38,17 @@ class FastLoraConfig(LoraConfig):
         },
     )
 
+    fuse_blocks: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "After injection, find q/k/v projections reading one input and gated MLPs (SwiGLU, GeGLU) by "
+                "tracing the model once on its dummy inputs, verify each group against the parent's own forward, "
+                "and run each verified group as one fused autograd call. False keeps one call per projection."
+            )
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self.peft_type = FastLoraPeftType.FASTLORA

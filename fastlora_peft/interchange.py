@@ -20,7 +20,7 @@ from torch import nn
 from .config import FastLoraConfig
 
 _CONFIG_NAME = "adapter_config.json"
-_FASTLORA_ONLY_FIELDS = ("fused_only",)
+_FASTLORA_ONLY_FIELDS = ("fused_only", "fuse_blocks")
 
 
 def to_plain_lora(fastlora_dir: Union[str, os.PathLike], lora_dir: Union[str, os.PathLike]) -> None:

@@ -15,6 +15,8 @@ from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from .blocks import BlockGroup
+from .grouping import group_blocks
 from .layers.fused_projection import FusedProjectionMixin, announce_fallback
 from .layers.linear import dispatch_fastlora_linear
 
@@ -42,6 +44,7 @@ class ModuleRoute(NamedTuple):
     base: str  # class of the wrapped base layer
     path: str  # "fused" or "peft"
     reasons: tuple[str, ...]  # why not fused (static), then run-time fallbacks seen so far with their counts
+    group: str  # the block group it runs in ("shared_input:...", "gated_mlp(silu):..."), or why not, or ""
 
 
 class FastLoraModel(LoraModel):
@@ -60,6 +63,30 @@ class FastLoraModel(LoraModel):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._announce_routes(model, adapter_name)
+        if getattr(self.peft_config[adapter_name], "fuse_blocks", False):
+            self._group_blocks(model)
+
+    def _group_blocks(self, model: nn.Module) -> None:
+        groups = self.__dict__.setdefault("_fastlora_groups", [])
+        not_grouped = self.__dict__.setdefault("_fastlora_not_grouped", {})
+        installed, reasons = group_blocks(model, {group.parent for group in groups})
+        groups.extend(installed)
+        for group in installed:
+            not_grouped.pop(group.parent_name, None)
+        not_grouped.update(reasons)
+
+    def fastlora_groups(self) -> list[BlockGroup]:
+        """The installed block groups (q/k/v, gated MLPs), each one fused autograd call."""
+        return list(self.__dict__.get("_fastlora_groups", []))
+
+    def _remove_groups(self) -> None:
+        for group in self.__dict__.pop("_fastlora_groups", []):
+            group.uninstall()
+        self.__dict__.pop("_fastlora_not_grouped", None)
+
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        self._remove_groups()  # the parents get their own forward back before the layers go
+        return super()._unload_and_optionally_merge(*args, **kwargs)
 
     def _announce_routes(self, model: nn.Module, adapter_name: str) -> None:
         config = self.peft_config[adapter_name]
@@ -79,6 +106,8 @@ class FastLoraModel(LoraModel):
     def fastlora_report(self) -> list[ModuleRoute]:
         """Every adapted module with the path its active adapter takes and why."""
         routes = []
+        group_of = {id(m): g.describe() for g in self.fastlora_groups() for m in g.members}
+        not_grouped = self.__dict__.get("_fastlora_not_grouped", {})
         for name, module in self.model.named_modules():
             if not isinstance(module, BaseTunerLayer) or not hasattr(module, "lora_A"):
                 continue
@@ -93,15 +122,17 @@ class FastLoraModel(LoraModel):
                     base=type(module.get_base_layer()).__name__,
                     path="peft" if reasons else "fused",
                     reasons=tuple(reasons),
+                    group=group_of.get(id(module), not_grouped.get(name.rsplit(".", 1)[0], "")),
                 )
             )
         return routes
 
     def format_fastlora_report(self) -> str:
         """`fastlora_report()` as a table, one module a line."""
-        lines = [f"{'module':60} {'base':12} {'path':6} why not fused"]
+        lines = [f"{'module':50} {'base':10} {'path':6} {'block group':36} why not fused"]
         for route in self.fastlora_report():
-            lines.append(f"{route.name:60} {route.base:12} {route.path:6} {'; '.join(route.reasons)}")
+            reasons = "; ".join(route.reasons)
+            lines.append(f"{route.name:50} {route.base:10} {route.path:6} {route.group:36} {reasons}")
         return "\n".join(lines)
 
 

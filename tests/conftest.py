@@ -17,6 +17,7 @@ from torch import nn
 
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FUSED_BACKWARD_NODE = "LoraSharedInputFunctionBackward"
+MLP_BACKWARD_NODE = "LoraGatedMlpFunctionBackward"
 
 requires_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1")
 

@@ -8,20 +8,25 @@ from conftest import count_lora_sublayer_calls, tiny_llama
 from peft import get_peft_model
 
 from fastlora_peft import FastLoraConfig
-from fastlora_peft.layers import fused_projection
+from fastlora_peft.functions.gated_mlp import LoraGatedMlpFunction
+from fastlora_peft.functions.shared_input import LoraSharedInputFunction
+
+# Per forward of the one-layer model: q/k/v as one call, o_proj, and the whole MLP as one call.
+CALLS_PER_FORWARD = {"LoraSharedInputFunction": 2, "LoraGatedMlpFunction": 1}
 
 
 @pytest.fixture
-def fused_calls(monkeypatch) -> list[int]:
-    """Counts calls of the fused Function wrapper made by the layers."""
-    calls = [0]
-    original = fused_projection.fused_lora_projections
+def fused_calls(monkeypatch) -> dict[str, int]:
+    """Counts forwards of each fused autograd Function (reset it after building the model)."""
+    calls = dict.fromkeys(CALLS_PER_FORWARD, 0)
+    for function in (LoraSharedInputFunction, LoraGatedMlpFunction):
+        original = function.forward
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
+        def counting(*args, _name=function.__name__, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_projection, "fused_lora_projections", counting)
+        monkeypatch.setattr(function, "forward", staticmethod(counting))
     return calls
 
 
@@ -61,10 +66,11 @@ def test_hf_trainer_trains_through_the_fused_path(tmp_path, fused_calls):
         report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
     )  # fmt: skip
     before = lora_snapshot(model)
+    fused_calls.update(dict.fromkeys(fused_calls, 0))
     with count_lora_sublayer_calls(model) as sublayer_calls:
         Trainer(model=model, args=args, train_dataset=dataset).train()
     assert not sublayer_calls
-    assert fused_calls[0] == 2 * 7  # two steps, seven adapted projections
+    assert fused_calls == {name: 2 * count for name, count in CALLS_PER_FORWARD.items()}  # two steps
     assert_trained(model, before)
 
 
@@ -84,10 +90,11 @@ def test_trl_sft_trainer_trains_through_the_fused_path(tmp_path, fused_calls):
         report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, max_length=16,
     )  # fmt: skip
     before = lora_snapshot(model)
+    fused_calls.update(dict.fromkeys(fused_calls, 0))
     with count_lora_sublayer_calls(model) as sublayer_calls:
         SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
     assert not sublayer_calls
     # TRL turns on gradient checkpointing by default: each step's forward runs again in backward.
     forwards_per_step = 2 if args.gradient_checkpointing else 1
-    assert fused_calls[0] == 2 * 7 * forwards_per_step
+    assert fused_calls == {name: 2 * count * forwards_per_step for name, count in CALLS_PER_FORWARD.items()}
     assert_trained(model, before)

@@ -8,12 +8,15 @@ Forward reads x once for every A_i (their rows side by side) and saves x and the
 `xa = x @ [A_1; ...; A_P].T` (fp32, [tokens, sum r]); the base weights are re-materialized in
 backward (4-bit: dequantized again) instead of saved. Backward hoists `g_i @ B_i` once per
 projection, reads x once for every dA_i, and accumulates dX of all projections in one buffer.
+
+`shared_input_forward` / `shared_input_backward` hold the math on 2-D tensors so the gated-MLP
+Function can compose them; the Function itself only flattens, saves and unflattens.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,14 @@ from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_
 _FIRST_TENSOR_ARG = 3
 
 
-def _rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
+class SharedInputGrads(NamedTuple):
+    grad_x: Optional[torch.Tensor]  # [tokens, in_features], x's dtype
+    loras: list[LoraWeights]  # grad_a / grad_b (or None) in each slot
+    bases: list[FrozenBase]  # grad of a trainable bias (or None); the weight is frozen
+
+
+def rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
+    """Column ranges of each projection in the stacked `xa` ([tokens, sum r])."""
     slices, start = [], 0
     for lora in loras:
         rank = lora.lora_a.shape[0]
@@ -36,12 +46,83 @@ def _rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
     return slices
 
 
-def _stacked_lora_a(loras: Sequence[LoraWeights]) -> torch.Tensor:
+def stacked_lora_a(loras: Sequence[LoraWeights]) -> torch.Tensor:
     """[sum r, in]: every A of the group, so one pass over x computes all of x @ A_i.T."""
     if len(loras) == 1:
         return loras[0].lora_a
     dtype = functools.reduce(torch.promote_types, [lora.lora_a.dtype for lora in loras])
     return torch.cat([lora.lora_a.to(dtype) for lora in loras], dim=0)
+
+
+def shared_input_forward(
+    x_2d: torch.Tensor, bases: Sequence[FrozenBase], loras: Sequence[LoraWeights], plan: DtypePlan
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward."""
+    x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
+    xa = lora_shrink(x_2d, stacked_lora_a(loras))
+    outputs = []
+    for base, lora, ranks in zip(bases, loras, rank_slices(loras)):
+        weight = materialize_weight(base, plan.compute_dtype)
+        bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
+        base_out = F.linear(x_compute, weight, bias)
+        outputs.append(lora_expand_add(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype))
+    return outputs, xa
+
+
+def shared_input_backward(
+    x_2d: torch.Tensor,
+    xa: torch.Tensor,
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    plan: DtypePlan,
+    grads_2d: Sequence[Optional[torch.Tensor]],
+    needs_x: bool,
+    needs_loras: Sequence[LoraWeights],
+    needs_bases: Sequence[FrozenBase],
+) -> SharedInputGrads:
+    """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused)."""
+    tokens = x_2d.shape[0]
+    grads_2d = [
+        x_2d.new_zeros(tokens, base_out_features(base), dtype=plan.out_dtype) if grad is None else grad
+        for base, grad in zip(bases, grads_2d)
+    ]
+    needs_a = any(need.lora_a for need in needs_loras)
+    # g_i @ B_i, hoisted: it feeds both dX and dA_i. For one projection the kernels apply the scale;
+    # for a group each block of columns carries its own projection's scale.
+    grad_xa, lora_scale = None, loras[0].scale if len(loras) == 1 else 1.0
+    if (needs_x or needs_a) and len(loras) == 1:
+        grad_xa = lora_shrink(grads_2d[0], loras[0].lora_b.t())
+    elif needs_x or needs_a:
+        grad_xa = torch.cat(
+            [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)], dim=1
+        )
+
+    grad_x = None
+    if needs_x:
+        grad_x_base = None
+        for base, grad in zip(bases, grads_2d):
+            weight = materialize_weight(base, plan.compute_dtype)
+            grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
+            if grad_x_base is None:
+                grad_x_base = grad_compute @ weight
+            else:
+                grad_x_base.addmm_(grad_compute, weight)
+        grad_x = lora_expand_add(grad_x_base, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_2d.dtype)
+
+    grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
+    grad_loras = []
+    for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
+        grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
+        grad_b = None
+        if need.lora_b:
+            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale).t().to(lora.lora_b.dtype)
+        grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
+
+    grad_bases = []
+    for base, need, grad in zip(bases, needs_bases, grads_2d):
+        grad_bias = grad.sum(0, dtype=torch.float32).to(base.bias.dtype) if need.bias else None
+        grad_bases.append(FrozenBase(None, grad_bias, None))  # the weight stays frozen
+    return SharedInputGrads(grad_x, grad_loras, grad_bases)
 
 
 class LoraSharedInputFunction(torch.autograd.Function):
@@ -58,84 +139,25 @@ class LoraSharedInputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: DtypePlan, layout, *tensors: torch.Tensor):
         bases, loras = unflatten_tensors(layout, tensors)
-        x_2d = x.reshape(-1, x.shape[-1])
-        x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
-
-        xa = lora_shrink(x_2d, _stacked_lora_a(loras))
-        outputs = []
-        for base, lora, ranks in zip(bases, loras, _rank_slices(loras)):
-            weight = materialize_weight(base, plan.compute_dtype)
-            bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
-            base_out = F.linear(x_compute, weight, bias)
-            out = lora_expand_add(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
-            outputs.append(out.view(*x.shape[:-1], out.shape[-1]))
-
+        outputs, xa = shared_input_forward(x.reshape(-1, x.shape[-1]), bases, loras, plan)
         ctx.plan, ctx.layout = plan, layout
         ctx.save_for_backward(x, xa, *tensors)
-        return tuple(outputs)
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
         x, xa, *tensors = ctx.saved_tensors
-        plan: DtypePlan = ctx.plan
         bases, loras = unflatten_tensors(ctx.layout, tensors)
         needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
-        needs_x = ctx.needs_input_grad[0]
         x_2d = x.reshape(-1, x.shape[-1])
-        tokens = x_2d.shape[0]
-        slices = _rank_slices(loras)
-
+        grads_2d = [None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs]
         with torch.autocast(x.device.type, enabled=False):
-            grads_2d = []
-            for base, grad in zip(bases, grad_outputs):
-                out_features = base_out_features(base)
-                if grad is None:  # this output did not reach the loss
-                    grad = x_2d.new_zeros(tokens, out_features, dtype=plan.out_dtype)
-                grads_2d.append(grad.reshape(tokens, out_features))
-
-            needs_a = any(need.lora_a for need in needs_loras)
-            # g_i @ B_i, hoisted: it feeds both dX and dA_i. For one projection the kernels apply the
-            # scale; for a group each block of columns carries its own projection's scale.
-            grad_xa, lora_scale = None, loras[0].scale if len(loras) == 1 else 1.0
-            if (needs_x or needs_a) and len(loras) == 1:
-                grad_xa = lora_shrink(grads_2d[0], loras[0].lora_b.t())
-            elif needs_x or needs_a:
-                grad_xa = torch.cat(
-                    [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)],
-                    dim=1,
-                )
-
-            grad_x = None
-            if needs_x:
-                grad_x_base = None
-                for base, grad in zip(bases, grads_2d):
-                    weight = materialize_weight(base, plan.compute_dtype)
-                    grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
-                    if grad_x_base is None:
-                        grad_x_base = grad_compute @ weight
-                    else:
-                        grad_x_base.addmm_(grad_compute, weight)
-                grad_x = lora_expand_add(grad_x_base, grad_xa, _stacked_lora_a(loras).t(), lora_scale, x.dtype)
-                grad_x = grad_x.view(x.shape)
-
-            grad_loras = []
-            grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
-            for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, slices):
-                grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
-                grad_b = None
-                if need.lora_b:
-                    grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale).t().to(lora.lora_b.dtype)
-                grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
-
-            grad_bases = []
-            for base, need, grad in zip(bases, needs_bases, grads_2d):
-                grad_bias = None
-                if need.bias:
-                    grad_bias = grad.sum(0, dtype=torch.float32).to(base.bias.dtype)
-                grad_bases.append(FrozenBase(None, grad_bias, None))  # the weight stays frozen
-
-        # One gradient per flattened tensor, in the same order: rebuild the tree and flatten it again.
-        grad_tensors = values_in_tensor_slots(ctx.layout, (grad_bases, grad_loras))
+            grads = shared_input_backward(
+                x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases
+            )
+        grad_x = None if grads.grad_x is None else grads.grad_x.view(x.shape)
+        # One gradient per flattened tensor, in the same order as the inputs.
+        grad_tensors = values_in_tensor_slots(ctx.layout, (grads.bases, grads.loras))
         return (grad_x, None, None, *grad_tensors)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,6 +30,18 @@ class FastLoraFallbackWarning(UserWarning):
 
 # Reasons already warned about at run time: one warning per reason per process, not one per call.
 _WARNED_RUNTIME_REASONS: set[str] = set()
+# Above zero while the model is traced or groups are verified at injection: those forwards are ours,
+# not the user's, and must not show up as fallbacks.
+_SUPPRESS_RECORDS = [0]
+
+
+@contextmanager
+def suppress_fallback_records() -> Iterator[None]:
+    _SUPPRESS_RECORDS[0] += 1
+    try:
+        yield
+    finally:
+        _SUPPRESS_RECORDS[0] -= 1
 
 
 def announce_fallback(reason: str, module_count: int, *, fused_only: bool) -> None:
@@ -94,11 +107,18 @@ class FusedProjectionMixin:
 
     # -- the forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        group = self.__dict__.get("fastlora_group")
+        if group is not None and not args:
+            out = group.output_for(self, x, kwargs)
+            if out is not None:
+                return out
         if self.disable_adapters or self.merged or not self.present_active_adapters():
             return super().forward(x, *args, **kwargs)  # the base layer alone, as PEFT runs it
         reason = self.fused_blocker(kwargs)
         if reason is not None:
-            self.record_fallback(reason)
+            # Config-level reasons were announced at injection; run-time ones are announced here.
+            already_announced = reason == self.static_blocker(self.present_active_adapters()[0])
+            self.record_fallback(reason, announce=not already_announced)
             return super().forward(x, *args, **kwargs)
         self.check_input(x)
         (adapter_name,) = self.present_active_adapters()
@@ -130,9 +150,12 @@ class FusedProjectionMixin:
             raise ValueError(f"{type(self).__name__}: expected a floating-point input, got {x.dtype}")
 
     # -- reporting ------------------------------------------------------------------------------
-    def record_fallback(self, reason: str) -> None:
+    def record_fallback(self, reason: str, announce: bool = True) -> None:
+        """Counts a call that ran PEFT's forward (for the report) and announces the reason once."""
+        if _SUPPRESS_RECORDS[0]:
+            return
         counts = self.__dict__.setdefault("fastlora_fallbacks", Counter())
         counts[reason] += 1
-        if self.fastlora_fused_only or reason not in _WARNED_RUNTIME_REASONS:
+        if announce and (self.fastlora_fused_only or reason not in _WARNED_RUNTIME_REASONS):
             _WARNED_RUNTIME_REASONS.add(reason)
             announce_fallback(reason, 1, fused_only=self.fastlora_fused_only)

@@ -1,0 +1,166 @@
+"""Block groups: q/k/v reading one input, and gated MLPs, each run as one fused autograd call.
+
+Groups are installed by `grouping.group_blocks` after injection. Each takes over its parent
+module's `forward` (an instance attribute, removed again by `uninstall`) and falls back to the
+parent's own forward, which calls every member layer one by one, whenever a member cannot take
+the fused path right now (disabled, merged, another adapter, dropout while training, ...). That
+fallback is still each member's fused single-projection path unless the member itself says why not.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .functions.gated_mlp import fused_gated_mlp
+from .functions.shared_input import fused_lora_projections
+
+
+def _group_blocker(members: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]) -> Optional[str]:
+    """Why the members cannot run as one fused call on `x` now, or None (then all share one adapter)."""
+    adapters = set()
+    for member in members:
+        if member.disable_adapters or member.merged:
+            return "adapters disabled or merged"
+        active = member.present_active_adapters()
+        if len(active) != 1:
+            return "not exactly one active adapter on every member"
+        adapters.add(active[0])
+        if member.fused_blocker(kwargs) is not None:
+            return "a member cannot take the fused path"
+    if len(adapters) != 1:
+        return "members have different active adapters"
+    if x.shape[-1] != members[0].in_features or not x.is_floating_point():
+        return "unexpected input"
+    return None
+
+
+class BlockGroup:
+    """What both group kinds share: the parent, its members, installation, and run-time notes."""
+
+    kind = "group"
+
+    def __init__(self, parent_name: str, parent: nn.Module, members: Sequence[nn.Module], member_names):
+        self.parent_name = parent_name
+        self.parent = parent
+        self.members = list(members)
+        self.member_names = list(member_names)
+        self.fused_calls = 0
+        self.unfused_calls: Counter[str] = Counter()
+
+    def install(self) -> None:
+        self.parent.__dict__["forward"] = self
+        for member in self.members:
+            member.__dict__["fastlora_group"] = self
+
+    def uninstall(self) -> None:
+        if self.parent.__dict__.get("forward") is self:
+            del self.parent.__dict__["forward"]
+        for member in self.members:
+            if member.__dict__.get("fastlora_group") is self:
+                del member.__dict__["fastlora_group"]
+
+    def output_for(self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+        return None  # only shared-input groups answer their members' calls; others drive the parent
+
+    def original_forward(self, *args, **kwargs):
+        return type(self.parent).forward(self.parent, *args, **kwargs)
+
+    def plan(self, x: torch.Tensor):
+        plans = {member.dtype_plan(x) for member in self.members}
+        return plans.pop() if len(plans) == 1 else None
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.parent_name}"
+
+
+class SharedInputGroup(BlockGroup):
+    """Projections of one parent that read the same tensor (q/k/v): one fused call computes them all.
+
+    The parent still calls each member; the first call on a tensor runs the group and keeps the other
+    members' outputs until they are asked for with that same tensor (unchanged), or until the parent's
+    forward returns. Any other pattern (another tensor, one member only, a second call) stays correct:
+    a member without a pending output runs the group again, or its own path.
+    """
+
+    kind = "shared_input"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._depth = 0
+        self._pending: dict[int, torch.Tensor] = {}
+        self._pending_input: Optional[torch.Tensor] = None
+        self._pending_version = -1
+
+    def __call__(self, *args, **kwargs):
+        self._depth += 1
+        try:
+            return self.original_forward(*args, **kwargs)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:  # nothing outlives the parent's forward
+                self._clear()
+
+    def _clear(self) -> None:
+        self._pending.clear()
+        self._pending_input = None
+
+    def output_for(self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+        """`member`'s output for `x` from the group's fused call, or None (the member runs itself)."""
+        if self._depth == 0:
+            return None
+        index = self.members.index(member)
+        if x is self._pending_input and x._version == self._pending_version and index in self._pending:
+            return self._pending.pop(index)
+        reason = _group_blocker(self.members, x, kwargs)
+        plan = self.plan(x) if reason is None else None
+        if plan is None:
+            self.unfused_calls[reason or "members' dtype plans differ"] += 1
+            return None
+        (adapter_name,) = self.members[0].present_active_adapters()
+        outputs = fused_lora_projections(
+            x,
+            [m.frozen_base() for m in self.members],
+            [m.lora_weights(adapter_name) for m in self.members],
+            plan,
+        )
+        self.fused_calls += 1
+        self._pending = {i: out for i, out in enumerate(outputs) if i != index}
+        self._pending_input, self._pending_version = x, x._version
+        return outputs[index]
+
+
+class GatedMlpGroup(BlockGroup):
+    """`down(act(gate(x)) * up(x))` with act SiLU (SwiGLU) or tanh-GELU (GeGLU) as one fused call."""
+
+    kind = "gated_mlp"
+
+    def __init__(self, parent_name, parent, members, member_names, activation: str):
+        super().__init__(parent_name, parent, members, member_names)
+        self.activation = activation  # members are (gate, up, down)
+
+    def describe(self) -> str:
+        return f"{self.kind}({self.activation}):{self.parent_name}"
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        reason = "extra arguments" if args or kwargs else _group_blocker(self.members, x, {})
+        plan = self.plan(x) if reason is None else None
+        if plan is not None:  # down reads h, which has the gate/up output dtype: it must plan the same
+            hidden_probe = x.new_empty((0, self.members[2].in_features), dtype=plan.out_dtype)
+            if self.members[2].dtype_plan(hidden_probe) != plan:
+                plan = None
+        if plan is None:
+            self.unfused_calls[reason or "members' dtype plans differ"] += 1
+            return self.original_forward(x, *args, **kwargs)
+        (adapter_name,) = self.members[0].present_active_adapters()
+        self.fused_calls += 1
+        return fused_gated_mlp(
+            x,
+            [m.frozen_base() for m in self.members],
+            [m.lora_weights(adapter_name) for m in self.members],
+            plan,
+            self.activation,
+        )

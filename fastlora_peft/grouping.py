@@ -1,0 +1,242 @@
+"""Finds the blocks to fuse by structure, not by model class, and verifies each before using it.
+
+1. Trace: one forward of the model's dummy inputs (no grad, eval mode) records, for every parent of
+   two or more FastLora layers, what it was called with and returned, and for every FastLora layer
+   its input and output tensors.
+2. Detect: members of one parent that received the very same input tensor form a shared-input group
+   (q/k/v, any widths, biases, ranks). A parent with exactly gate, up (same input) and down, where
+   down's input equals act(gate) * up for act SiLU or tanh-GELU and the parent returns down's
+   output, is a gated MLP.
+3. Verify: with each member's lora_B temporarily randomized (zero-initialized B would hide adapter
+   wiring), the parent's own forward and the grouped one run on the recorded inputs and must agree;
+   otherwise the group is not installed and the report says why.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import BlockGroup, GatedMlpGroup, SharedInputGroup
+from .layers.fused_projection import FusedProjectionMixin, suppress_fallback_records
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return math.inf
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def _first_tensor(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return getattr(value, "last_hidden_state", None)
+
+
+class _Trace:
+    def __init__(self):
+        self.layer_io: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layer_calls: dict[nn.Module, int] = {}
+        self.parent_calls: dict[nn.Module, tuple[tuple, dict, Any]] = {}
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+def _trace(model: nn.Module, parents: dict[str, nn.Module], layers: list[nn.Module], inputs: dict) -> _Trace:
+    trace = _Trace()
+    handles = []
+
+    def layer_hook(module, args, output):
+        trace.layer_calls[module] = trace.layer_calls.get(module, 0) + 1
+        trace.layer_io.setdefault(module, (args[0], output))
+
+    def parent_pre_hook(module, args, kwargs):
+        trace.parent_calls.setdefault(module, (args, kwargs, None))
+
+    def parent_hook(module, args, kwargs, output):
+        recorded_args, recorded_kwargs, recorded_output = trace.parent_calls[module]
+        if recorded_output is None:
+            trace.parent_calls[module] = (recorded_args, recorded_kwargs, output)
+
+    for layer in layers:
+        handles.append(layer.register_forward_hook(layer_hook))
+    for parent in parents.values():
+        handles.append(parent.register_forward_pre_hook(parent_pre_hook, with_kwargs=True))
+        handles.append(parent.register_forward_hook(parent_hook, with_kwargs=True))
+    try:
+        with torch.no_grad(), suppress_fallback_records():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return trace
+
+
+def _mlp_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optional[str]:
+    """The activation that maps (gate, up) to down's input, identified exactly where possible."""
+    act_fn = getattr(parent, "act_fn", None)
+    if isinstance(act_fn, nn.Module) or callable(act_fn):
+        probe = torch.linspace(-8, 8, 257, dtype=torch.float64)
+        try:
+            applied = act_fn(probe)
+        except Exception:  # an activation that cannot run on a probe: judge by the data alone
+            applied = None
+        if applied is not None:
+            matches = [name for name, fn in _ACTIVATIONS.items() if _rel_err(applied, fn(probe)) < 1e-7]
+            return matches[0] if matches else None
+    expected_dtype = down_in.dtype
+    errors = {name: _rel_err(down_in, fn(gate_out.double()) * up_out.double()) for name, fn in _ACTIVATIONS.items()}
+    name = min(errors, key=errors.get)
+    return name if errors[name] < _tolerance(expected_dtype) else None
+
+
+def _detect_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trace) -> Optional[GatedMlpGroup]:
+    if len(members) != 3:
+        return None
+    _, _, parent_output = trace.parent_calls[parent]
+    names = list(members)
+    for down_name in names:
+        down = members[down_name]
+        others = [n for n in names if n != down_name]
+        first, second = (members[n] for n in others)
+        if trace.layer_io[first][0] is not trace.layer_io[second][0]:
+            continue
+        if _first_tensor(parent_output) is not trace.layer_io[down][1]:
+            continue
+        for gate_name, up_name in (others, others[::-1]):
+            gate, up = members[gate_name], members[up_name]
+            activation = _mlp_activation(parent, trace.layer_io[gate][1], trace.layer_io[up][1], trace.layer_io[down][0])
+            data_error = _rel_err(
+                trace.layer_io[down][0], _ACTIVATIONS[activation](trace.layer_io[gate][1].double()) * trace.layer_io[up][1].double()
+            ) if activation else math.inf
+            if activation and data_error < _tolerance(trace.layer_io[down][0].dtype):
+                return GatedMlpGroup(
+                    parent_name, parent, [gate, up, down], [gate_name, up_name, down_name], activation
+                )
+    return None
+
+
+def _shared_input_groups(parent_name, parent, members: dict[str, nn.Module], trace: _Trace) -> list[SharedInputGroup]:
+    by_input: dict[int, list[str]] = {}
+    for name, member in members.items():
+        by_input.setdefault(id(trace.layer_io[member][0]), []).append(name)
+    # One group per parent (it takes over the parent's forward): the largest set sharing an input.
+    names = max(by_input.values(), key=len, default=[])
+    if len(names) < 2:
+        return []
+    return [SharedInputGroup(parent_name, parent, [members[n] for n in names], names)]
+
+
+@contextmanager
+def _random_lora_b(members: list[nn.Module], seed: int = 0) -> Iterator[None]:
+    """Temporarily gives every active lora_B random values; restores them exactly afterwards."""
+    generator = torch.Generator().manual_seed(seed)
+    saved = []
+    with torch.no_grad():
+        for member in members:
+            for adapter in member.present_active_adapters():
+                weight = member.lora_B[adapter].weight
+                saved.append((weight, weight.detach().clone()))
+                noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32) * 0.1
+                weight.copy_(noise.to(device=weight.device, dtype=weight.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+
+
+def _verify(group: BlockGroup, trace: _Trace) -> Optional[str]:
+    """Installs `group` if its output matches the parent's own forward; returns why not otherwise."""
+    args, kwargs, _ = trace.parent_calls[group.parent]
+    with torch.no_grad(), _random_lora_b(group.members), suppress_fallback_records():
+        expected = _first_tensor(group.original_forward(*args, **kwargs))
+        group.install()
+        try:
+            actual = _first_tensor(group.parent(*args, **kwargs))
+        except Exception as error:  # a group that cannot run here is reported, not raised
+            group.uninstall()
+            return f"grouped forward failed: {type(error).__name__}: {error}"
+    if group.fused_calls == 0:
+        group.uninstall()
+        reasons = ", ".join(group.unfused_calls) or "the parent never used the grouped path"
+        return f"group did not engage ({reasons})"
+    error = _rel_err(actual, expected)
+    if actual.shape != expected.shape or error > _tolerance(expected.dtype):
+        group.uninstall()
+        return f"verification mismatch: relative error {error:.2e}"
+    group.fused_calls = 0
+    group.unfused_calls.clear()
+    return None
+
+
+def group_blocks(model: nn.Module, already_grouped: set[nn.Module]) -> tuple[list[BlockGroup], dict[str, str]]:
+    """Finds, verifies and installs groups in `model`. Returns (installed groups, {parent: why not})."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedProjectionMixin)}
+    parents: dict[str, nn.Module] = {}
+    for name in layers:
+        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+        parent = model.get_submodule(parent_name)
+        if parent not in already_grouped and sum(1 for n in layers if n.rsplit(".", 1)[0] == parent_name) >= 2:
+            parents[parent_name] = parent
+    if not parents:
+        return [], {}
+    inputs = getattr(model, "dummy_inputs", None)
+    if not isinstance(inputs, dict):
+        return [], {name: "no dummy inputs to trace the model with" for name in parents}
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    device = embeddings.weight.device if embeddings is not None else next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with _eval_mode(model):
+        try:
+            trace = _trace(model, parents, list(layers.values()), inputs)
+        except Exception as error:
+            return [], {name: f"could not trace the model: {type(error).__name__}: {error}" for name in parents}
+        installed, not_grouped = [], {}
+        for parent_name, parent in parents.items():
+            if parent not in trace.parent_calls or trace.parent_calls[parent][2] is None:
+                not_grouped[parent_name] = "not called by the traced forward"
+                continue
+            members = {
+                name.rsplit(".", 1)[1]: layer
+                for name, layer in layers.items()
+                if name.rsplit(".", 1)[0] == parent_name and trace.layer_calls.get(layer) == 1
+            }
+            mlp = _detect_mlp(parent_name, parent, members, trace)
+            candidates = [mlp] if mlp is not None else _shared_input_groups(parent_name, parent, members, trace)
+            if not candidates:
+                not_grouped[parent_name] = "no members share an input and no gated-MLP structure"
+            for group in candidates:
+                reason = _verify(group, trace)
+                if reason is None:
+                    installed.append(group)
+                else:
+                    not_grouped[parent_name] = f"{group.describe()}: {reason}"
+    return installed, not_grouped

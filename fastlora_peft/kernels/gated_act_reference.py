@@ -1,0 +1,53 @@
+"""Pure-torch reference for the gated activation of an MLP block: ``h = act(gate) * up``.
+
+Same signatures and dtype contract as :mod:`fastlora_peft.kernels.gated_act`, whose public ops run
+these on plain CPU tensors and whose tests compare the Triton kernels with them. Everything is
+computed in float32 and rounded once to ``gate``'s dtype; outputs are contiguous. Inputs are
+checked by the public ops.
+
+* ``"silu"``: SwiGLU (Llama, Mistral, Qwen), ``act = silu``.
+* ``"gelu_tanh"``: GeGLU (Gemma), ``act = gelu`` with the tanh approximation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Outputs are contiguous whatever the inputs' layout, as the Triton kernels write them.
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    raise ValueError(f"activation: expected 'silu' or 'gelu_tanh', got {activation!r}")
+
+
+def _activation_backward(grad_act: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """``grad_act * act'(gate)``, through torch's own derivative kernels."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad_act, gate)
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad_act, gate, approximate="tanh")
+    raise ValueError(f"activation: expected 'silu' or 'gelu_tanh', got {activation!r}")
+
+
+def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``h = act(gate) * up``. gate, up: [M, I]; returns h: [M, I] in gate's dtype."""
+    return (_activation(gate.float(), activation) * up.float()).to(gate.dtype, memory_format=_CONTIGUOUS)
+
+
+def gated_act_backward(
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_gate, grad_up)`` of ``h = act(gate) * up``, all [M, I], in gate's dtype."""
+    grad_h, gate32, up32 = grad_h.float(), gate.float(), up.float()
+    grad_gate = _activation_backward(grad_h * up32, gate32, activation)
+    grad_up = grad_h * _activation(gate32, activation)
+    return (
+        grad_gate.to(gate.dtype, memory_format=_CONTIGUOUS),
+        grad_up.to(gate.dtype, memory_format=_CONTIGUOUS),
+    )
