@@ -1,7 +1,7 @@
 """fastlora_peft: LoRA and QLoRA for PEFT with fused forward and backward.
 
-    import fastlora_peft                      # registers the FASTLORA method with PEFT
-    model = get_peft_model(model, fastlora_peft.FastLoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+import fastlora_peft                      # registers the FASTLORA method with PEFT
+model = get_peft_model(model, fastlora_peft.FastLoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
 """
 
 from .config import FastLoraConfig, FastLoraPeftType

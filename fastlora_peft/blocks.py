@@ -63,7 +63,9 @@ class BlockGroup:
             if member.__dict__.get("fastlora_group") is self:
                 del member.__dict__["fastlora_group"]
 
-    def output_for(self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+    def output_for(
+        self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]
+    ) -> Optional[torch.Tensor]:
         return None  # only shared-input groups answer their members' calls; others drive the parent
 
     def original_forward(self, *args, **kwargs):
@@ -108,7 +110,9 @@ class SharedInputGroup(BlockGroup):
         self._pending.clear()
         self._pending_input = None
 
-    def output_for(self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+    def output_for(
+        self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]
+    ) -> Optional[torch.Tensor]:
         """`member`'s output for `x` from the group's fused call, or None (the member runs itself)."""
         if self._depth == 0:
             return None

@@ -30,10 +30,10 @@ class FastLoraConfig(LoraConfig):
         default=False,
         metadata={
             "help": (
-                "Raise instead of falling back to PEFT's LoRA forward. By default a module that cannot take the "
-                "fused path (DoRA, lora_bias, dropout while training, several active adapters, an unsupported "
-                "module type, ...) runs PEFT's forward, warns once per reason and is listed in "
-                "`model.fastlora_report()`; with `fused_only=True` any such module is an error."
+                "Raise instead of falling back to PEFT's LoRA forward. By default a module that cannot "
+                "take the fused path (DoRA, lora_bias, dropout while training, several active adapters, "
+                "an unsupported module type, ...) runs PEFT's forward, warns once per reason and is "
+                "listed in `model.fastlora_report()`; with `fused_only=True` any such module is an error."
             )
         },
     )
@@ -42,9 +42,10 @@ class FastLoraConfig(LoraConfig):
         default=True,
         metadata={
             "help": (
-                "After injection, find q/k/v projections reading one input and gated MLPs (SwiGLU, GeGLU) by "
-                "tracing the model once on its dummy inputs, verify each group against the parent's own forward, "
-                "and run each verified group as one fused autograd call. False keeps one call per projection."
+                "After injection, find q/k/v projections reading one input and gated MLPs (SwiGLU, "
+                "GeGLU) by tracing the model once on its dummy inputs, verify each group against the "
+                "parent's own forward, and run each verified group as one fused autograd call. False "
+                "keeps one call per projection."
             )
         },
     )

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -36,6 +37,8 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if actual.shape != expected.shape:
+        return math.inf
     actual, expected = actual.double(), expected.double()
     if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
         return math.inf
@@ -111,7 +114,9 @@ def _mlp_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optional[st
             matches = [name for name, fn in _ACTIVATIONS.items() if _rel_err(applied, fn(probe)) < 1e-7]
             return matches[0] if matches else None
     expected_dtype = down_in.dtype
-    errors = {name: _rel_err(down_in, fn(gate_out.double()) * up_out.double()) for name, fn in _ACTIVATIONS.items()}
+    errors = {
+        name: _rel_err(down_in, fn(gate_out.double()) * up_out.double()) for name, fn in _ACTIVATIONS.items()
+    }
     name = min(errors, key=errors.get)
     return name if errors[name] < _tolerance(expected_dtype) else None
 
@@ -129,12 +134,24 @@ def _detect_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trac
             continue
         if _first_tensor(parent_output) is not trace.layer_io[down][1]:
             continue
+        if not (
+            trace.layer_io[first][1].shape == trace.layer_io[second][1].shape == trace.layer_io[down][0].shape
+        ):
+            continue
         for gate_name, up_name in (others, others[::-1]):
             gate, up = members[gate_name], members[up_name]
-            activation = _mlp_activation(parent, trace.layer_io[gate][1], trace.layer_io[up][1], trace.layer_io[down][0])
-            data_error = _rel_err(
-                trace.layer_io[down][0], _ACTIVATIONS[activation](trace.layer_io[gate][1].double()) * trace.layer_io[up][1].double()
-            ) if activation else math.inf
+            activation = _mlp_activation(
+                parent, trace.layer_io[gate][1], trace.layer_io[up][1], trace.layer_io[down][0]
+            )
+            data_error = (
+                _rel_err(
+                    trace.layer_io[down][0],
+                    _ACTIVATIONS[activation](trace.layer_io[gate][1].double())
+                    * trace.layer_io[up][1].double(),
+                )
+                if activation
+                else math.inf
+            )
             if activation and data_error < _tolerance(trace.layer_io[down][0].dtype):
                 return GatedMlpGroup(
                     parent_name, parent, [gate, up, down], [gate_name, up_name, down_name], activation
@@ -142,7 +159,9 @@ def _detect_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trac
     return None
 
 
-def _shared_input_groups(parent_name, parent, members: dict[str, nn.Module], trace: _Trace) -> list[SharedInputGroup]:
+def _shared_input_groups(
+    parent_name, parent, members: dict[str, nn.Module], trace: _Trace
+) -> list[SharedInputGroup]:
     by_input: dict[int, list[str]] = {}
     for name, member in members.items():
         by_input.setdefault(id(trace.layer_io[member][0]), []).append(name)
@@ -173,23 +192,42 @@ def _random_lora_b(members: list[nn.Module], seed: int = 0) -> Iterator[None]:
                 weight.copy_(value)
 
 
+def _output_tensors(value: Any) -> list[torch.Tensor]:
+    """Every floating tensor in a module's output (tensors, tuples, lists, dicts, model outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _output_tensors(item)]
+    return []
+
+
 def _verify(group: BlockGroup, trace: _Trace) -> Optional[str]:
     """Installs `group` if its output matches the parent's own forward; returns why not otherwise."""
     args, kwargs, _ = trace.parent_calls[group.parent]
     with torch.no_grad(), _random_lora_b(group.members), suppress_fallback_records():
-        expected = _first_tensor(group.original_forward(*args, **kwargs))
+        try:  # a parent that cannot be replayed, grouped or not, is reported, not raised
+            expected = _output_tensors(group.original_forward(*args, **kwargs))
+        except Exception as error:
+            return f"the parent's forward could not be replayed: {type(error).__name__}: {error}"
         group.install()
         try:
-            actual = _first_tensor(group.parent(*args, **kwargs))
-        except Exception as error:  # a group that cannot run here is reported, not raised
+            actual = _output_tensors(group.parent(*args, **kwargs))
+        except Exception as error:
             group.uninstall()
             return f"grouped forward failed: {type(error).__name__}: {error}"
     if group.fused_calls == 0:
         group.uninstall()
         reasons = ", ".join(group.unfused_calls) or "the parent never used the grouped path"
         return f"group did not engage ({reasons})"
-    error = _rel_err(actual, expected)
-    if actual.shape != expected.shape or error > _tolerance(expected.dtype):
+    shapes_match = [a.shape for a in actual] == [e.shape for e in expected]
+    error = (
+        max((_rel_err(a, e) for a, e in zip(actual, expected)), default=math.inf)
+        if shapes_match
+        else math.inf
+    )
+    if not expected or error > _tolerance(expected[0].dtype):
         group.uninstall()
         return f"verification mismatch: relative error {error:.2e}"
     group.fused_calls = 0
@@ -197,14 +235,19 @@ def _verify(group: BlockGroup, trace: _Trace) -> Optional[str]:
     return None
 
 
-def group_blocks(model: nn.Module, already_grouped: set[nn.Module]) -> tuple[list[BlockGroup], dict[str, str]]:
+def group_blocks(
+    model: nn.Module, already_grouped: set[nn.Module]
+) -> tuple[list[BlockGroup], dict[str, str]]:
     """Finds, verifies and installs groups in `model`. Returns (installed groups, {parent: why not})."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedProjectionMixin)}
     parents: dict[str, nn.Module] = {}
     for name in layers:
         parent_name = name.rsplit(".", 1)[0] if "." in name else ""
         parent = model.get_submodule(parent_name)
-        if parent not in already_grouped and sum(1 for n in layers if n.rsplit(".", 1)[0] == parent_name) >= 2:
+        if (
+            parent not in already_grouped
+            and sum(1 for n in layers if n.rsplit(".", 1)[0] == parent_name) >= 2
+        ):
             parents[parent_name] = parent
     if not parents:
         return [], {}
@@ -214,11 +257,17 @@ def group_blocks(model: nn.Module, already_grouped: set[nn.Module]) -> tuple[lis
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     device = embeddings.weight.device if embeddings is not None else next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if "use_cache" in inspect.signature(model.forward).parameters or hasattr(
+        getattr(model, "config", None), "use_cache"
+    ):
+        inputs["use_cache"] = False  # a cache filled by the trace would change what a replay sees
     with _eval_mode(model):
         try:
             trace = _trace(model, parents, list(layers.values()), inputs)
         except Exception as error:
-            return [], {name: f"could not trace the model: {type(error).__name__}: {error}" for name in parents}
+            return [], {
+                name: f"could not trace the model: {type(error).__name__}: {error}" for name in parents
+            }
         installed, not_grouped = [], {}
         for parent_name, parent in parents.items():
             if parent not in trace.parent_calls or trace.parent_calls[parent][2] is None:
@@ -230,7 +279,9 @@ def group_blocks(model: nn.Module, already_grouped: set[nn.Module]) -> tuple[lis
                 if name.rsplit(".", 1)[0] == parent_name and trace.layer_calls.get(layer) == 1
             }
             mlp = _detect_mlp(parent_name, parent, members, trace)
-            candidates = [mlp] if mlp is not None else _shared_input_groups(parent_name, parent, members, trace)
+            candidates = (
+                [mlp] if mlp is not None else _shared_input_groups(parent_name, parent, members, trace)
+            )
             if not candidates:
                 not_grouped[parent_name] = "no members share an input and no gated-MLP structure"
             for group in candidates:

@@ -36,7 +36,9 @@ def to_plain_lora(fastlora_dir: Union[str, os.PathLike], lora_dir: Union[str, os
     with open(os.path.join(fastlora_dir, _CONFIG_NAME)) as handle:
         config = json.load(handle)
     if config.get("peft_type") not in ("FASTLORA", "LORA"):
-        raise ValueError(f"{fastlora_dir} holds a {config.get('peft_type')!r} adapter, not a FASTLORA or LORA one")
+        raise ValueError(
+            f"{fastlora_dir} holds a {config.get('peft_type')!r} adapter, not a FASTLORA or LORA one"
+        )
     config["peft_type"] = "LORA"
     for name in _FASTLORA_ONLY_FIELDS:
         config.pop(name, None)
@@ -66,4 +68,6 @@ def load_plain_lora(
         if is_trainable:
             model.set_requires_grad(adapter_name)
         return model
-    return PeftModel.from_pretrained(model, str(lora_dir), adapter_name, is_trainable=is_trainable, config=config)
+    return PeftModel.from_pretrained(
+        model, str(lora_dir), adapter_name, is_trainable=is_trainable, config=config
+    )

@@ -92,7 +92,7 @@ class FastLoraModel(LoraModel):
         config = self.peft_config[adapter_name]
         fused_only = bool(getattr(config, "fused_only", False))
         reason_counts: Counter[str] = Counter()
-        for name, module in model.named_modules():
+        for module in model.modules():
             if not isinstance(module, BaseTunerLayer) or adapter_name not in getattr(module, "lora_A", {}):
                 continue
             if isinstance(module, FusedProjectionMixin):
@@ -111,7 +111,9 @@ class FastLoraModel(LoraModel):
         for name, module in self.model.named_modules():
             if not isinstance(module, BaseTunerLayer) or not hasattr(module, "lora_A"):
                 continue
-            active = [a for a in module.active_adapters if a in module.lora_A] or list(module.lora_A.keys())[:1]
+            active = [a for a in module.active_adapters if a in module.lora_A] or list(module.lora_A.keys())[
+                :1
+            ]
             reasons = [r for r in (_static_reason(module, a) for a in active) if r is not None]
             runtime = module.__dict__.get("fastlora_fallbacks", {})
             reasons += [f"{reason} (run time, {count} call(s))" for reason, count in runtime.items()]

@@ -142,7 +142,9 @@ def autograd_node_names(*roots: torch.Tensor) -> list[str]:
 
 def lora_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
-        name: param.grad for name, param in model.named_parameters() if "lora_" in name and param.grad is not None
+        name: param.grad
+        for name, param in model.named_parameters()
+        if "lora_" in name and param.grad is not None
     }
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import (
     FUSED_BACKWARD_NODE,
-    MLP_BACKWARD_NODE,
     LAYOUT_IDS,
     LAYOUTS,
+    MLP_BACKWARD_NODE,
     Layout,
     autograd_node_names,
     copy_lora,
@@ -105,8 +105,12 @@ def test_tiny_llama_matches_peft(layout: Layout, tmp_path_factory):
     assert nodes.count(MLP_BACKWARD_NODE) == layers
     routes = {route.name.rsplit(".", 2)[-1]: route for route in fast.fastlora_report()}
     assert all(route.path == "fused" for route in routes.values())
-    assert {routes[p].group for p in ("q_proj", "k_proj", "v_proj")} == {"shared_input:model.layers.0.self_attn"}
-    assert {routes[p].group for p in ("gate_proj", "up_proj", "down_proj")} == {"gated_mlp(silu):model.layers.0.mlp"}
+    assert {routes[p].group for p in ("q_proj", "k_proj", "v_proj")} == {
+        "shared_input:model.layers.0.self_attn"
+    }
+    assert {routes[p].group for p in ("gate_proj", "up_proj", "down_proj")} == {
+        "gated_mlp(silu):model.layers.0.mlp"
+    }
 
     tolerance = MODEL_TOLERANCE[layout.id]
     assert fast_logits.dtype == peft_logits.dtype

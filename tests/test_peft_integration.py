@@ -209,7 +209,9 @@ def test_dropout_falls_back_in_training_only():
     with pytest.warns(FastLoraFallbackWarning, match="lora_dropout"):
         logits(fast)
     assert any("lora_dropout" in reason for route in fast.fastlora_report() for reason in route.reasons)
-    strict = get_peft_model(tiny_llama(), FastLoraConfig(target_modules=TARGETS, lora_dropout=0.1, fused_only=True))
+    strict = get_peft_model(
+        tiny_llama(), FastLoraConfig(target_modules=TARGETS, lora_dropout=0.1, fused_only=True)
+    )
     strict.train()
     with pytest.raises(FusedPathError, match="lora_dropout"):
         logits(strict)
@@ -297,7 +299,10 @@ def test_input_layouts(one_layer, shape):
     x.requires_grad_()
     out = one_layer(x)
     expected_layer = copy.deepcopy(one_layer)
-    lora_out = expected_layer.lora_B["default"](expected_layer.lora_A["default"](x)) * expected_layer.scaling["default"]
+    lora_out = (
+        expected_layer.lora_B["default"](expected_layer.lora_A["default"](x))
+        * expected_layer.scaling["default"]
+    )
     expected = expected_layer.base_layer(x) + lora_out
     assert_fused(out)
     assert rel_err(out, expected) < 1e-6

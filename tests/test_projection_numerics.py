@@ -45,7 +45,9 @@ class OneProjection(nn.Module):
         return self.proj(x)
 
 
-def make_projection(layout: Layout, in_features: int, out_features: int, bias: bool, seed: int = 0) -> nn.Module:
+def make_projection(
+    layout: Layout, in_features: int, out_features: int, bias: bool, seed: int = 0
+) -> nn.Module:
     torch.manual_seed(seed)
     dense = nn.Linear(in_features, out_features, bias=bias)
     if not layout.quantized:

@@ -49,7 +49,11 @@ def lora_snapshot(model):
 
 
 def assert_trained(model, before):
-    changed = [name for name, param in model.named_parameters() if "lora_" in name and not torch.equal(param, before[name])]
+    changed = [
+        name
+        for name, param in model.named_parameters()
+        if "lora_" in name and not torch.equal(param, before[name])
+    ]
     assert len(changed) == len(before), f"only {len(changed)} of {len(before)} adapter tensors changed"
 
 

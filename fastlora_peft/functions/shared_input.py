@@ -94,7 +94,8 @@ def shared_input_backward(
         grad_xa = lora_shrink(grads_2d[0], loras[0].lora_b.t())
     elif needs_x or needs_a:
         grad_xa = torch.cat(
-            [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)], dim=1
+            [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)],
+            dim=1,
         )
 
     grad_x = None
@@ -150,7 +151,9 @@ class LoraSharedInputFunction(torch.autograd.Function):
         bases, loras = unflatten_tensors(ctx.layout, tensors)
         needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
         x_2d = x.reshape(-1, x.shape[-1])
-        grads_2d = [None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs]
+        grads_2d = [
+            None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs
+        ]
         with torch.autocast(x.device.type, enabled=False):
             grads = shared_input_backward(
                 x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases

@@ -6,6 +6,8 @@ One rule for every op in this package, so a test can tell which path ran:
 * CPU tensors run the Triton kernels only under ``TRITON_INTERPRET=1`` (the interpreter must be
   switched on before ``triton`` is imported, so the variable is read once, here, at import).
 * Every other CPU call runs the pure-torch reference, which is what CI's plain CPU tests use.
+* float64 tensors always run the reference, in float64: the kernels compute in fp32, and float64
+  exists here only for `torch.autograd.gradcheck` of the autograd Functions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,34 @@ OP_NAMESPACE = "fastlora"
 
 def runs_triton(tensor: torch.Tensor) -> bool:
     """True when an op given ``tensor`` runs its Triton kernel, False when it runs the reference."""
+    if tensor.dtype == torch.float64:
+        return False
     if tensor.device.type == "cuda":
         return True
     return tensor.device.type == "cpu" and TRITON_INTERPRET
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Let the Triton 3.6 interpreter run loops whose bounds are kernel arguments under numpy >= 2.4.
+
+    The interpreter holds a scalar argument as a 1-element array and turns it into a Python int with
+    ``int(array)``, which numpy 2.4 rejects ("only 0-dimensional arrays can be converted"), so every
+    ``for k0 in range(0, K, BLOCK_K)`` fails (triton-lang/triton#9171). Wrap the patch that installs
+    ``tl.tensor.__index__`` so it reads the one element instead. Interpreter only; GPUs never see it.
+    """
+    from triton.runtime import interpreter
+
+    patch_lang_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_lang_tensor, "_fastlora_fixed", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _patch_lang_tensor._fastlora_fixed = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+if TRITON_INTERPRET:
+    _fix_interpreter_loop_bounds()

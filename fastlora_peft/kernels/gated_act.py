@@ -31,6 +31,8 @@ from ._backend import OP_NAMESPACE, runs_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# float64 is accepted for gradcheck only: it always runs the reference, in float64 (see _backend).
+_CHECKED_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 
 # gelu_tanh(g) = 0.5 g (1 + tanh(z)) with z = sqrt(2/pi) (g + 0.044715 g^3).
 _GELU_TWO_K = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
@@ -202,11 +204,11 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor, activation: str, grad_h:
             )
         if tensor.device != gate.device:
             raise ValueError(f"{name}: expected device {gate.device} (gate's), got {tensor.device}")
-    if gate.dtype not in _FLOAT_DTYPES:
+    if gate.dtype not in _CHECKED_DTYPES:
         raise ValueError(f"gate: expected dtype in {_FLOAT_DTYPES}, got {gate.dtype}")
     if up.dtype != gate.dtype:
         raise ValueError(f"up: expected dtype {gate.dtype} (gate's), got {up.dtype}")
-    if grad_h is not None and grad_h.dtype not in _FLOAT_DTYPES:
+    if grad_h is not None and grad_h.dtype not in _CHECKED_DTYPES:
         raise ValueError(f"grad_h: expected dtype in {_FLOAT_DTYPES}, got {grad_h.dtype}")
 
 

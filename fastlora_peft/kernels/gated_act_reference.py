@@ -18,6 +18,11 @@ import torch.nn.functional as F
 _CONTIGUOUS = torch.contiguous_format
 
 
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 for float64 inputs (gradcheck runs the references in float64)."""
+    return tensor.double() if tensor.dtype == torch.float64 else tensor.float()
+
+
 def _activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return F.silu(gate)
@@ -37,14 +42,14 @@ def _activation_backward(grad_act: torch.Tensor, gate: torch.Tensor, activation:
 
 def gated_act_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``h = act(gate) * up``. gate, up: [M, I]; returns h: [M, I] in gate's dtype."""
-    return (_activation(gate.float(), activation) * up.float()).to(gate.dtype, memory_format=_CONTIGUOUS)
+    return (_activation(_wide(gate), activation) * _wide(up)).to(gate.dtype, memory_format=_CONTIGUOUS)
 
 
 def gated_act_backward(
     grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_gate, grad_up)`` of ``h = act(gate) * up``, all [M, I], in gate's dtype."""
-    grad_h, gate32, up32 = grad_h.float(), gate.float(), up.float()
+    grad_h, gate32, up32 = _wide(grad_h), _wide(gate), _wide(up)
     grad_gate = _activation_backward(grad_h * up32, gate32, activation)
     grad_up = grad_h * _activation(gate32, activation)
     return (

@@ -47,8 +47,8 @@ def suppress_fallback_records() -> Iterator[None]:
 def announce_fallback(reason: str, module_count: int, *, fused_only: bool) -> None:
     """The one way a fallback is made known: an error under `fused_only`, else a warning."""
     message = (
-        f"fastlora_peft: {module_count} module(s) use PEFT's LoRA forward instead of the fused path: {reason}. "
-        "See model.fastlora_report(); FastLoraConfig(fused_only=True) makes this an error."
+        f"fastlora_peft: {module_count} module(s) use PEFT's LoRA forward instead of the fused path: "
+        f"{reason}. See model.fastlora_report(); FastLoraConfig(fused_only=True) makes this an error."
     )
     if fused_only:
         raise FusedPathError(message)
@@ -128,7 +128,9 @@ class FusedProjectionMixin:
 
     def lora_weights(self, adapter_name: str) -> LoraWeights:
         return LoraWeights(
-            self.lora_A[adapter_name].weight, self.lora_B[adapter_name].weight, float(self.scaling[adapter_name])
+            self.lora_A[adapter_name].weight,
+            self.lora_B[adapter_name].weight,
+            float(self.scaling[adapter_name]),
         )
 
     def dtype_plan(self, x: torch.Tensor) -> DtypePlan:
@@ -143,8 +145,8 @@ class FusedProjectionMixin:
         if x.dim() == 0 or x.shape[-1] != in_features:
             shape = tuple(x.shape)
             raise ValueError(
-                f"{type(self).__name__}: expected input of shape [..., {in_features}] (in_features={in_features}), "
-                f"got {shape}"
+                f"{type(self).__name__}: expected input of shape [..., {in_features}] "
+                f"(in_features={in_features}), got {shape}"
             )
         if not x.is_floating_point():
             raise ValueError(f"{type(self).__name__}: expected a floating-point input, got {x.dtype}")

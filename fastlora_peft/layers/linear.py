@@ -44,6 +44,9 @@ def dispatch_fastlora_linear(target: nn.Module, adapter_name: str, config, **kwa
     if not is_dense_linear(base):
         return None
     if config.fan_in_fan_out:  # PEFT corrects this the same way for nn.Linear targets
-        warnings.warn("fan_in_fan_out is set to True but the target module is `torch.nn.Linear`; setting it to False.")
+        warnings.warn(
+            "fan_in_fan_out is set to True but the target module is `torch.nn.Linear`; setting it to False.",
+            stacklevel=2,
+        )
         config.fan_in_fan_out = False
     return FastLoraLinear(target, adapter_name, config=config, **kwargs)

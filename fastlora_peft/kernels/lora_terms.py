@@ -1,0 +1,415 @@
+"""Triton kernels for the three low-rank terms of a LoRA projection, and the ops that run them.
+
+For ``y = x W^T + scale * (x A^T) B^T`` the forward and backward need only these three:
+
+* ``lora_shrink(x, weight)``: ``x @ weight.T`` into fp32, the rank-R bottleneck (``x @ A.T``,
+  ``grad_out @ B``).
+* ``lora_expand_add(base, left, right, scale, out_dtype)``: ``base + scale * left @ right.T``, added
+  to the frozen layer's output in registers and rounded to ``out_dtype`` once.
+* ``lora_weight_grad(left, x, scale)``: ``scale * left.T @ x`` summed over the tokens, the gradient of
+  A or (transposed) B.
+
+Each kernel loads its operands in their own dtype and strides and converts them to fp32 in registers,
+so no fp32 copy of an activation or gradient is ever made in memory. The launchers may copy the small
+rank-R operands (an adapter, or ``left`` of lora_weight_grad) into the layout tl.dot runs fastest on.
+
+Each op is a ``torch.library`` custom op with a fake implementation; it runs the Triton launcher when
+``runs_triton`` says so and the pure-torch reference (``lora_terms_reference``) otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlora_peft.kernels import lora_terms_reference as reference
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# float64 is accepted for gradcheck only: it always runs the reference, in float64 (see _backend).
+_CHECKED_DTYPES = (*_SUPPORTED_DTYPES, torch.float64)
+
+# tl.dot precision when an operand is fp32. Plain "tf32" keeps 10 mantissa bits and gives ~5e-4
+# relative error, far too coarse for fp32 adapter gradients. "tf32x3" splits each fp32 operand into
+# two tf32 halves and stays on tensor cores: 2e-7 relative error against float64 on an H200 (K=4096).
+# "ieee" runs on CUDA cores, as accurate but far slower there: lora_weight_grad at rank 64 took 1353us
+# against 248us, lora_expand_add 237us against 105us (M=8192, K=N=4096).
+_FP32_DOT_PRECISION = "tf32x3"
+
+
+def _dot_precision(*dtypes: torch.dtype) -> str:
+    """tl.dot input precision for operands of these dtypes.
+
+    A 16-bit value (bf16: 8 significant bits, fp16: 11) converted to fp32 is exact in tf32 (11 bits),
+    so products of two 16-bit operands are exact under plain tf32 and only fp32 operands need more.
+    """
+    return "tf32" if torch.float32 not in dtypes else _FP32_DOT_PRECISION
+
+
+def _rank_block(rank: int, cap: int) -> int:
+    """Rank tile: a power of two >= 16 (tl.dot's minimum) covering ``rank``, at most ``cap``."""
+    return min(max(16, triton.next_power_of_2(rank)), cap)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one by one: no point splitting the work further
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels. Row offsets are widened to int64 before they meet a stride: M * stride passes 2**31 at,
+# e.g., 16k tokens of a 128k-wide tensor. Tile offsets stay int32 and move the (64-bit) pointers.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    X_ptr, W_ptr, Out_ptr,
+    M, K, R,
+    stride_xm, stride_xk, stride_wr, stride_wk, stride_om, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[M, R] = X[M, K] @ W[R, K]^T; one program per (BLOCK_M rows, BLOCK_R ranks), looping over K."""
+    pid_m = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_r = offs_r < R
+    x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = W_ptr + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wr  # W^T tile: [BLOCK_K, BLOCK_R]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k + k0 < K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    out_ptrs = Out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _lora_expand_add_kernel(
+    Base_ptr, Left_ptr, Right_ptr, Out_ptr,
+    M, N, R, scale,
+    stride_bm, stride_bn, stride_lm, stride_lr, stride_rn, stride_rr, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[M, N] = Base + scale * Left[M, R] @ Right[N, R]^T; one program per (BLOCK_M, BLOCK_N) tile."""
+    # Axis 0 walks along N so neighbouring programs share one Left tile and one band of Base rows.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)[:, None]
+    left_ptrs = Left_ptr + rows * stride_lm + offs_r[None, :] * stride_lr
+    right_ptrs = Right_ptr + offs_r[:, None] * stride_rr + offs_n[None, :] * stride_rn  # [BLOCK_R, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        mask_r = offs_r + r0 < R
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
+        left_ptrs += BLOCK_R * stride_lr
+        right_ptrs += BLOCK_R * stride_rr
+    mask = mask_m[:, None] & mask_n[None, :]
+    base = tl.load(Base_ptr + rows * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
+    out = base.to(tl.float32) + scale * acc
+    tl.store(
+        Out_ptr + rows * stride_om + offs_n[None, :] * stride_on, out.to(Out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
+def _lora_weight_grad_kernel(
+    Left_ptr, X_ptr, Out_ptr,
+    M, R, K, scale, rows_per_split,
+    stride_lm, stride_lr, stride_xm, stride_xk, stride_os, stride_or, stride_ok,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[s, R, K] = scale * Left[M_s, R]^T @ X[M_s, K] over split s's rows M_s = [s * rows_per_split, ...).
+
+    One program per (BLOCK_K columns, split, BLOCK_R ranks); the caller sums the splits.
+    """
+    # Computed as its transpose, Out^T[K, R] = X^T @ Left, so the activation is tl.dot's first operand,
+    # which may come from registers in any layout; a 32-bit second operand wants its reduction (token)
+    # dim contiguous, which the launcher arranges for Left. On an H200 (M=8192, K=4096, rank 64) this
+    # takes 91us against 189us for Left^T @ X with X, token-strided, as the second operand.
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_r = offs_r < R
+    mask_k = offs_k < K
+    m_start = pid_s * rows_per_split
+    m_end = tl.minimum(m_start + rows_per_split, M)
+    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + offs_m
+        mask_m = rows < m_end
+        rows = rows.to(tl.int64)
+        # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
+        x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+        left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(x_t, left, acc, input_precision=DOT_PRECISION)
+    out_ptrs = Out_ptr + pid_s * stride_os + offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, scale * acc, mask=mask_k[:, None] & mask_r[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers. Keyword-only block sizes default to the GPU choice; tests pass small ones to cover
+# several tiles and loop trips on tiny shapes. Callers have checked shapes, dtypes and devices.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _lora_shrink_triton(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_m: int | None = None,
+    block_k: int = 64,
+    block_r: int | None = None,
+) -> torch.Tensor:
+    M, K = x.shape
+    R = weight.shape[0]
+    out = torch.empty((M, R), dtype=torch.float32, device=x.device)
+    if out.numel() == 0:
+        return out
+    # Timings on an H200, x [8192, 4096] bf16. 16-bit weights: 32-row tiles (twice the programs) beat 64
+    # (rank 16: 43 vs 46us; rank 64: 49 vs 55us) and do not care whether weight is lora_b.T. fp32 weights
+    # (tf32x3): 64 rows win (rank 64: 103 vs 117us) but only with weight's K dim contiguous (162us for
+    # lora_b.T), so such an adapter (R * K * 4 bytes, ~1 MB) is copied first.
+    if weight.dtype == torch.float32:
+        weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    block_m = block_m or (64 if weight.dtype == torch.float32 else 32)
+    # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
+    block_r = block_r or _rank_block(R, cap=128)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(R, block_r))
+    _lora_shrink_kernel[grid](
+        x, weight, out,
+        M, K, R,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        DOT_PRECISION=_dot_precision(x.dtype, weight.dtype),
+        num_warps=8 if block_r > 64 else 4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def _lora_expand_add_triton(
+    *,
+    base: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+    block_m: int = 64,
+    block_n: int = 128,
+    block_r: int | None = None,
+) -> torch.Tensor:
+    M, N = base.shape
+    R = left.shape[1]
+    out = torch.empty((M, N), dtype=out_dtype, device=base.device)
+    if out.numel() == 0:
+        return out
+    # tl.dot's second operand wants its reduction (rank) dim contiguous: with right = lora_a.T the op
+    # took 214us instead of 104us on an H200 (M=8192, N=4096, rank 64), so copy that small adapter.
+    right = right if right.stride(1) == 1 else right.contiguous()
+    block_r = block_r or _rank_block(R, cap=64)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _lora_expand_add_kernel[grid](
+        base, left, right, out,
+        M, N, R, float(scale),
+        base.stride(0), base.stride(1), left.stride(0), left.stride(1),
+        right.stride(0), right.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        DOT_PRECISION=_dot_precision(left.dtype, right.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+# Fewest token rows one split of lora_weight_grad covers. Each split writes and the sum re-reads an
+# [R, K] fp32 partial (8 * R * K bytes) against 2 * rows * K bytes of 16-bit x it streams; at rank 64
+# and 512 rows the partials cost half the x traffic, so splits stop there.
+_MIN_ROWS_PER_SPLIT = 512
+
+
+def _lora_weight_grad_triton(
+    *,
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    split: int | None = None,
+    block_m: int = 64,
+    block_k: int = 128,
+    block_r: int | None = None,
+) -> torch.Tensor:
+    M, R = left.shape
+    K = x.shape[1]
+    if M == 0 or R == 0 or K == 0:
+        return torch.zeros((R, K), dtype=torch.float32, device=x.device)
+    # The kernel wants left's token dim contiguous (see there): 91 vs 116us at rank 64, 157 vs 227us at
+    # rank 128 on an H200 (M=8192, K=4096), for a transposed copy of left (M * R * 4 bytes, 2 MB).
+    left = left if left.stride(0) == 1 else left.T.contiguous().T
+    block_r = block_r or _rank_block(R, cap=64)
+    tiles = triton.cdiv(K, block_k) * triton.cdiv(R, block_r)
+    if split is None:
+        # Split the token dimension only as far as needed to give every SM two programs.
+        split = min(triton.cdiv(2 * _num_sms(x.device), tiles), triton.cdiv(M, _MIN_ROWS_PER_SPLIT))
+    rows_per_split = triton.cdiv(triton.cdiv(M, max(split, 1)), block_m) * block_m
+    split = triton.cdiv(M, rows_per_split)  # no empty splits
+    # Deterministic: each split writes its own [R, K] slab, summed below in a fixed order (no atomics).
+    partial = torch.empty((split, R, K), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(K, block_k), split, triton.cdiv(R, block_r))
+    _lora_weight_grad_kernel[grid](
+        left, x, partial,
+        M, R, K, float(scale), rows_per_split,
+        left.stride(0), left.stride(1), x.stride(0), x.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
+        num_warps=8, num_stages=3,
+    )  # fmt: skip
+    return partial[0] if split == 1 else partial.sum(dim=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public ops: checks, dispatch, fake implementations.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_2d(op: str, name: str, tensor: torch.Tensor, layout: str) -> None:
+    if tensor.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D {layout}, got shape {list(tensor.shape)}")
+    if tensor.dtype not in _CHECKED_DTYPES:
+        raise ValueError(f"{op}: {name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+
+
+def _check_dim(
+    op: str, name: str, tensor: torch.Tensor, layout: str, dim: int, expected: int, what: str
+) -> None:
+    if tensor.shape[dim] != expected:
+        raise ValueError(
+            f"{op}: {name} must be {layout} with {what}={expected}, got shape {list(tensor.shape)}"
+        )
+
+
+def _check_fp32(op: str, name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: {name} must be float32 (the output of lora_shrink), got {tensor.dtype}")
+
+
+def _check_devices(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{op}: all inputs must be on one device, got {devices}")
+
+
+def _check_shrink(x: torch.Tensor, weight: torch.Tensor) -> None:
+    op = "lora_shrink"
+    _check_2d(op, "x", x, "[M, K]")
+    _check_2d(op, "weight", weight, "[R, K]")
+    _check_dim(op, "weight", weight, "[R, K]", 1, x.shape[1], "K (x.shape[1])")
+    _check_devices(op, x=x, weight=weight)
+
+
+def _check_expand_add(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, out_dtype: torch.dtype
+) -> None:
+    op = "lora_expand_add"
+    _check_2d(op, "base", base, "[M, N]")
+    _check_2d(op, "left", left, "[M, R]")
+    _check_2d(op, "right", right, "[N, R]")
+    _check_fp32(op, "left", left)
+    _check_dim(op, "left", left, "[M, R]", 0, base.shape[0], "M (base.shape[0])")
+    _check_dim(op, "right", right, "[N, R]", 0, base.shape[1], "N (base.shape[1])")
+    _check_dim(op, "right", right, "[N, R]", 1, left.shape[1], "R (left.shape[1])")
+    if out_dtype not in _CHECKED_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    _check_devices(op, base=base, left=left, right=right)
+
+
+def _check_weight_grad(left: torch.Tensor, x: torch.Tensor) -> None:
+    op = "lora_weight_grad"
+    _check_2d(op, "left", left, "[M, R]")
+    _check_2d(op, "x", x, "[M, K]")
+    _check_fp32(op, "left", left)
+    _check_dim(op, "x", x, "[M, K]", 0, left.shape[0], "M (left.shape[0])")
+    _check_devices(op, left=left, x=x)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", mutates_args=())
+def lora_shrink(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with fp32 accumulation.
+
+    x: [M, K] float32/bfloat16/float16; weight: [R, K], any of those dtypes (may differ from x's) and
+    any strides (``lora_b.T`` is fine). Returns [M, R] float32, contiguous.
+    """
+    _check_shrink(x, weight)
+    if runs_triton(x):
+        return _lora_shrink_triton(x=x, weight=weight)
+    return reference.lora_shrink(x, weight).contiguous()
+
+
+@lora_shrink.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_shrink(x, weight)
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::lora_expand_add", mutates_args=())
+def lora_expand_add(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``base + scale * left @ right.T``, computed in fp32 and rounded once to ``out_dtype``.
+
+    base: [M, N], any float dtype; left: [M, R] float32; right: [N, R], any float dtype and strides
+    (``lora_a.T`` is fine). Returns [M, N] out_dtype, contiguous.
+    """
+    _check_expand_add(base, left, right, out_dtype)
+    if runs_triton(base):
+        return _lora_expand_add_triton(base=base, left=left, right=right, scale=scale, out_dtype=out_dtype)
+    return reference.lora_expand_add(base, left, right, scale, out_dtype).contiguous()
+
+
+@lora_expand_add.register_fake
+def _(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    _check_expand_add(base, left, right, out_dtype)
+    return base.new_empty(base.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::lora_weight_grad", mutates_args=())
+def lora_weight_grad(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically).
+
+    left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K] float32, contiguous;
+    zeros when M == 0.
+    """
+    _check_weight_grad(left, x)
+    if runs_triton(x):
+        return _lora_weight_grad_triton(left=left, x=x, scale=scale)
+    return reference.lora_weight_grad(left, x, scale).contiguous()
+
+
+@lora_weight_grad.register_fake
+def _(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_weight_grad(left, x)
+    return x.new_empty((left.shape[1], x.shape[1]), dtype=torch.float32)

@@ -1,0 +1,207 @@
+"""Block groups: the q/k/v hand-off under every call pattern, the gated MLP's saved tensors, and
+disable/merge/unload/adapter switching with groups installed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import (
+    FUSED_BACKWARD_NODE,
+    MLP_BACKWARD_NODE,
+    autograd_node_names,
+    copy_lora,
+    count_lora_sublayer_calls,
+    randomize_lora,
+    rel_err,
+    tiny_llama,
+)
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fastlora_peft import FastLoraConfig
+from fastlora_peft.blocks import GatedMlpGroup, SharedInputGroup
+
+HIDDEN = 40
+
+
+class ToyAttention(nn.Module):
+    """q/k/v of unequal widths (one with a bias) called in a pattern chosen by the test."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, 24, bias=False)
+        self.k_proj = nn.Linear(HIDDEN, 12, bias=False)
+        self.v_proj = nn.Linear(HIDDEN, 12, bias=True)
+        self.pattern = "qkv"
+
+    def forward(self, x, other=None):
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        if self.pattern == "qkv":
+            return q(x), k(x), v(x)
+        if self.pattern == "kvq":
+            key, value = k(x), v(x)
+            return q(x), key, value
+        if self.pattern == "other_tensor":  # cross-attention: k and v read another tensor
+            return q(x), k(other), v(other)
+        if self.pattern == "only_q":
+            return (q(x),)
+        if self.pattern == "twice":
+            first = q(x)
+            return first + q(x), k(x), v(x)
+        if self.pattern == "modified_between":  # x changes in place after q: k and v must see it
+            x = x.clone()
+            query = q(x)
+            x.mul_(2)
+            return query, k(x), v(x)
+        raise ValueError(self.pattern)
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = ToyAttention()
+        self.checkpointed = False
+
+    @property
+    def dummy_inputs(self):
+        return {"x": torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(0))}
+
+    def forward(self, x, other=None):
+        if self.checkpointed:
+            return checkpoint(self.attn, x, other, use_reentrant=False)
+        return self.attn(x, other)
+
+
+def toy_pair(ranks=None):
+    config = dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj"], rank_pattern=ranks or {})
+    base = ToyModel()
+    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
+    peft = get_peft_model(base, LoraConfig(**config))
+    randomize_lora(fast, seed=1)
+    copy_lora(fast, peft)
+    return fast, peft
+
+
+def run(model, pattern, x, other, checkpointed=False):
+    model.base_model.model.attn.pattern = pattern
+    model.base_model.model.checkpointed = checkpointed
+    x = x.clone().requires_grad_()
+    outputs = model(x, other)
+    loss = sum((out * torch.linspace(-1, 1, out.shape[-1])).sum() for out in outputs)
+    loss.backward()
+    return outputs, x.grad
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("pattern", ["qkv", "kvq", "other_tensor", "only_q", "twice"])
+def test_shared_input_group_under_any_call_pattern(pattern, checkpointed):
+    fast, peft = toy_pair(ranks={"k_proj": 5})
+    (group,) = fast.fastlora_groups()
+    assert isinstance(group, SharedInputGroup) and group.member_names == ["q_proj", "k_proj", "v_proj"]
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, HIDDEN, generator=generator)
+    other = torch.randn(3, 5, HIDDEN, generator=generator)
+
+    with count_lora_sublayer_calls(fast) as calls:
+        fast_outputs, fast_grad_x = run(fast, pattern, x, other, checkpointed)
+    peft_outputs, peft_grad_x = run(peft, pattern, x, other, checkpointed)
+    assert not calls
+    for fast_out, peft_out in zip(fast_outputs, peft_outputs):
+        assert rel_err(fast_out, peft_out) < 1e-5
+    assert rel_err(fast_grad_x, peft_grad_x) < 1e-5
+    peft_params = dict(peft.named_parameters())
+    for name, param in fast.named_parameters():
+        if "lora_" in name:
+            expected = peft_params[name].grad
+            if expected is None:  # a projection the pattern never called
+                assert param.grad is None or torch.count_nonzero(param.grad) == 0, name
+            else:
+                assert rel_err(param.grad, expected) < 1e-5, name
+    if pattern == "qkv" and not checkpointed:  # the common case: one fused call for all three
+        assert autograd_node_names(*fast_outputs).count(FUSED_BACKWARD_NODE) == 1
+    assert group.fused_calls > 0
+    # Nothing outlives the parent's forward: no pending outputs, no reference to the input.
+    assert not group._pending and group._pending_input is None
+
+
+@pytest.mark.parametrize("pattern", ["qkv", "modified_between"])
+def test_shared_input_group_without_grad(pattern):
+    fast, peft = toy_pair()
+    fast.base_model.model.attn.pattern = peft.base_model.model.attn.pattern = pattern
+    x = torch.randn(4, HIDDEN)
+    with torch.no_grad():  # (an in-place change of x between calls is only legal without autograd)
+        fast_outputs = fast(x)
+        peft_outputs = peft(x)
+    assert all(out.grad_fn is None for out in fast_outputs)
+    for fast_out, peft_out in zip(fast_outputs, peft_outputs):
+        assert rel_err(fast_out, peft_out) < 1e-5
+
+
+def llama_pair():
+    base = tiny_llama()
+    config = dict(r=4, lora_alpha=8, target_modules="all-linear")
+    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
+    peft = get_peft_model(base, LoraConfig(**config))
+    randomize_lora(fast, seed=3)
+    copy_lora(fast, peft)
+    return fast, peft
+
+
+def test_gated_mlp_saves_only_x_and_the_preactivations():
+    fast, _ = llama_pair()
+    mlp = fast.base_model.model.model.layers[0].mlp
+    assert isinstance(mlp.forward, GatedMlpGroup) and mlp.forward.activation == "silu"
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    out = mlp(x)
+    assert type(out.grad_fn).__name__ == MLP_BACKWARD_NODE
+    saved = out.grad_fn.saved_tensors
+    activations = [
+        t for t in saved if t.dim() >= 2 and t.shape[0] in (2, 10) and not isinstance(t, nn.Parameter)
+    ]
+    shapes = sorted(tuple(t.shape) for t in activations)
+    # x, gate and up pre-activations, and the rank-sized x @ [Ag; Au].T and h @ Ad.T: never h itself.
+    assert shapes == sorted([(2, 5, 48), (10, 88), (10, 88), (10, 8), (10, 4)]), shapes
+
+
+def test_groups_follow_disable_merge_switch_and_unload():
+    fast, peft = llama_pair()
+    ids = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(1))
+    base_logits = tiny_llama()(input_ids=ids).logits
+    adapted = peft(input_ids=ids).logits
+
+    with fast.disable_adapter():
+        assert rel_err(fast(input_ids=ids).logits, base_logits) < 1e-6
+    assert rel_err(fast(input_ids=ids).logits, adapted) < 1e-5
+    fast.merge_adapter()
+    merged = fast(input_ids=ids).logits
+    assert MLP_BACKWARD_NODE not in autograd_node_names(merged)
+    assert rel_err(merged, adapted) < 1e-5
+    fast.unmerge_adapter()
+
+    second = dict(r=2, lora_alpha=3, target_modules="all-linear")
+    fast.add_adapter("second", FastLoraConfig(**second))
+    peft.add_adapter("second", LoraConfig(**second))
+    randomize_lora(fast, seed=8)
+    copy_lora(fast, peft)
+    fast.set_adapter("second")
+    peft.set_adapter("second")
+    logits = fast(input_ids=ids).logits
+    assert autograd_node_names(logits).count(MLP_BACKWARD_NODE) == 1
+    assert rel_err(logits, peft(input_ids=ids).logits) < 1e-5
+
+    parents = [group.parent for group in fast.fastlora_groups()]
+    unloaded = fast.unload()
+    assert all("forward" not in parent.__dict__ for parent in parents)
+    assert rel_err(unloaded(input_ids=ids).logits, base_logits) < 1e-6
+
+
+def test_fuse_blocks_false_keeps_one_call_per_projection():
+    model = get_peft_model(tiny_llama(), FastLoraConfig(target_modules="all-linear", fuse_blocks=False))
+    randomize_lora(model)
+    assert model.fastlora_groups() == []
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert autograd_node_names(logits).count(FUSED_BACKWARD_NODE) == 7

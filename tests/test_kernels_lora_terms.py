@@ -1,0 +1,336 @@
+"""Tests for the LoRA term ops: the Triton kernels and the pure-torch reference against float64.
+
+Run the kernels on CPU with ``TRITON_INTERPRET=1 python -m pytest tests/test_kernels_lora_terms.py``.
+Without it, the ops run the reference on CPU and the kernel-only tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastlora_peft.kernels import lora_terms
+from fastlora_peft.kernels import lora_terms_reference as reference
+from fastlora_peft.kernels._backend import runs_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Decided from the environment, not from runs_triton, so a broken dispatch rule cannot vouch for itself.
+EXPECT_TRITON = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not EXPECT_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
+
+# Relative error ||got - want|| / ||want|| allowed, by the dtype the result is stored in. The float64
+# truth is computed from the same (already rounded) inputs, so an fp32 result is only fp32
+# accumulation away from it (measured ~1e-7). A 16-bit result adds one rounding: bf16 values are
+# 2**-7 apart, and the interpreter truncates fp32 -> bf16 (3.4e-3 measured; GPUs round to nearest,
+# 1.6e-3); fp16 values are 2**-10 apart (2e-4 measured).
+TOLERANCE = {FP32: 1e-5, BF16: 1e-2, FP16: 1e-3}
+
+# (id, activation dtype, adapter dtype): x/base/grad_out vs lora_a/lora_b.
+DTYPE_CASES = [
+    ("fp32", FP32, FP32),
+    ("bf16", BF16, BF16),
+    ("fp16", FP16, FP16),
+    ("bf16-x-fp32-w", BF16, FP32),
+    ("fp16-x-fp32-w", FP16, FP32),
+]
+# (M tokens, K or N features, R rank): odd sizes, an empty batch, a single token, a rank of 1.
+SHAPES = [(0, 19, 5), (1, 70, 1), (37, 19, 16), (37, 70, 5)]
+LAYOUTS = ["contig", "transposed", "sliced"]
+SCALE = 0.37
+
+
+def _case_params():
+    return [
+        pytest.param(
+            x_dtype, w_dtype, shape, layout, id=f"{name}-m{shape[0]}-k{shape[1]}-r{shape[2]}-{layout}"
+        )
+        for name, x_dtype, w_dtype in DTYPE_CASES
+        for shape in SHAPES
+        for layout in LAYOUTS
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _make(rows: int, cols: int, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """A random [rows, cols] tensor laid out as asked: contiguous, a transposed view, or a strided slice."""
+    if layout == "contig":
+        return torch.randn(rows, cols, device=DEVICE).to(dtype)
+    if layout == "transposed":  # like lora_b.T or lora_a.T
+        return torch.randn(cols, rows, device=DEVICE).to(dtype).T
+    full = torch.randn(rows + 3, 2 * cols + 1, device=DEVICE).to(dtype)
+    return full[2 : 2 + rows, 1::2]  # storage offset and a column stride of 2
+
+
+def assert_rel_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    want = want.double()
+    norm = want.norm().item()
+    if norm == 0.0:
+        assert torch.equal(got.double(), want), "expected exact zeros"
+        return
+    err = (got.double() - want).norm().item() / norm
+    assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
+
+
+def _check_op(op: str, args: tuple, truth: torch.Tensor, out_dtype: torch.dtype) -> None:
+    """The public op and the reference each against float64, and against each other."""
+    tol = TOLERANCE[out_dtype]
+    want = getattr(reference, op)(*args)
+    got = getattr(lora_terms, op)(*args)
+    assert got.dtype == out_dtype and got.is_contiguous()
+    assert_rel_close(want, truth, tol)
+    assert_rel_close(got, truth, tol)
+    assert_rel_close(got, want, tol)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every op, every dtype case, shape and layout, through the public op (Triton when EXPECT_TRITON).
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, shape, layout", _case_params())
+def test_lora_shrink(x_dtype, w_dtype, shape, layout):
+    M, K, R = shape
+    x = _make(M, K, x_dtype, layout)
+    weight = _make(R, K, w_dtype, layout)
+    truth = x.double() @ weight.double().T
+    _check_op("lora_shrink", (x, weight), truth, FP32)
+
+
+@pytest.mark.parametrize("base_dtype, right_dtype, shape, layout", _case_params())
+def test_lora_expand_add(base_dtype, right_dtype, shape, layout):
+    M, N, R = shape
+    base = _make(M, N, base_dtype, layout)
+    left = _make(M, R, FP32, layout)
+    right = _make(N, R, right_dtype, layout)
+    truth = base.double() + SCALE * (left.double() @ right.double().T)
+    _check_op("lora_expand_add", (base, left, right, SCALE, base_dtype), truth, base_dtype)
+
+
+@pytest.mark.parametrize(
+    "base_dtype, out_dtype",
+    [(BF16, FP32), (FP32, BF16), (FP16, BF16)],
+    ids=["bf16-to-fp32", "fp32-to-bf16", "fp16-to-bf16"],
+)
+def test_lora_expand_add_out_dtype(base_dtype, out_dtype):
+    base = _make(37, 45, base_dtype, "sliced")
+    left = _make(37, 5, FP32, "contig")
+    right = _make(45, 5, BF16, "transposed")
+    truth = base.double() + SCALE * (left.double() @ right.double().T)
+    _check_op("lora_expand_add", (base, left, right, SCALE, out_dtype), truth, out_dtype)
+
+
+def test_lora_expand_add_rounds_once():
+    # fp16 values near 2048 are 2 apart. 2048 + (1 + 2**-12) = 2049.000244 rounds up to 2050; rounding
+    # the LoRA term to fp16 first (1 + 2**-12 -> 1.0) gives the tie 2049, which rounds to even: 2048.
+    # (fp16, not bf16: the interpreter truncates fp32 -> bf16 but rounds fp32 -> fp16 to nearest.)
+    base = torch.full((3, 5), 2048.0, device=DEVICE, dtype=FP16)
+    left = torch.ones(3, 1, device=DEVICE)
+    right = torch.full((5, 1), 1.0 + 2.0**-12, device=DEVICE)
+    out = lora_terms.lora_expand_add(base, left, right, 1.0, FP16)
+    assert torch.equal(out, torch.full_like(base, 2050.0))
+
+
+@pytest.mark.parametrize("x_dtype, _w_dtype, shape, layout", _case_params())
+def test_lora_weight_grad(x_dtype, _w_dtype, shape, layout):
+    M, K, R = shape
+    left = _make(M, R, FP32, layout)
+    x = _make(M, K, x_dtype, layout)
+    truth = -SCALE * (left.double().T @ x.double())
+    _check_op("lora_weight_grad", (left, x, -SCALE), truth, FP32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The launchers with small blocks, so tiny shapes still cover several tiles, loop trips and splits.
+# ----------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("x_dtype, w_dtype", [(FP32, FP32), (BF16, FP32)], ids=["fp32", "bf16-x-fp32-w"])
+def test_multi_tile_launchers(x_dtype, w_dtype):
+    M, K, N, R = 37, 70, 45, 37  # R = 37 spans three rank tiles of 16
+    x = _make(M, K, x_dtype, "sliced")
+    lora_a = _make(R, K, w_dtype, "transposed")
+    lora_b = _make(N, R, w_dtype, "contig")
+    base = _make(M, N, x_dtype, "transposed")
+    left = _make(M, R, FP32, "contig")
+    tol = TOLERANCE[FP32]
+
+    got = lora_terms._lora_shrink_triton(x=x, weight=lora_a, block_m=16, block_k=16, block_r=16)
+    assert_rel_close(got, x.double() @ lora_a.double().T, tol)
+
+    got = lora_terms._lora_expand_add_triton(
+        base=base, left=left, right=lora_b, scale=SCALE, out_dtype=FP32, block_m=16, block_n=16, block_r=16
+    )
+    assert_rel_close(got, base.double() + SCALE * (left.double() @ lora_b.double().T), tol)
+
+    truth = SCALE * (left.double().T @ x.double())
+    for split in (1, 2, 3):  # 3 splits of 16 rows: the last one is partial
+        got = lora_terms._lora_weight_grad_triton(
+            left=left, x=x, scale=SCALE, split=split, block_m=16, block_k=16, block_r=16
+        )
+        assert_rel_close(got, truth, tol)
+
+
+@needs_triton
+def test_lora_weight_grad_is_deterministic():
+    left = _make(37, 5, FP32, "contig")
+    x = _make(37, 19, BF16, "contig")
+    runs = [
+        lora_terms._lora_weight_grad_triton(left=left, x=x, scale=SCALE, split=3, block_m=16, block_k=16)
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0], runs[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dispatch: the kernel runs exactly when it should, the reference otherwise.
+# ----------------------------------------------------------------------------------------------------
+
+
+class _LaunchCounter:
+    """Stands in for a @triton.jit kernel and counts ``kernel[grid](...)`` launches."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _op_inputs(op: str) -> tuple:
+    x = _make(5, 19, BF16, "contig")
+    if op == "lora_shrink":
+        return (x, _make(3, 19, FP32, "transposed"))
+    if op == "lora_expand_add":
+        return (
+            _make(5, 23, BF16, "contig"),
+            _make(5, 3, FP32, "contig"),
+            _make(23, 3, BF16, "contig"),
+            SCALE,
+            BF16,
+        )
+    return (_make(5, 3, FP32, "contig"), x, SCALE)
+
+
+@pytest.mark.parametrize("op", ["lora_shrink", "lora_expand_add", "lora_weight_grad"])
+def test_dispatch_runs_triton_iff_expected(op, monkeypatch):
+    kernel = _LaunchCounter(getattr(lora_terms, f"_{op}_kernel"))
+    monkeypatch.setattr(lora_terms, f"_{op}_kernel", kernel)
+    reference_calls = []
+    original = getattr(reference, op)
+    monkeypatch.setattr(reference, op, lambda *args: reference_calls.append(op) or original(*args))
+
+    args = _op_inputs(op)
+    getattr(lora_terms, op)(*args)
+
+    assert runs_triton(args[0]) == EXPECT_TRITON
+    if EXPECT_TRITON:
+        assert (kernel.launches, len(reference_calls)) == (1, 0), "the Triton kernel was skipped"
+    else:
+        assert (kernel.launches, len(reference_calls)) == (0, 1), "the reference was skipped"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Input checks and torch.library registration.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _t(*shape, dtype=FP32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+BAD_INPUTS = [
+    pytest.param(
+        "lora_shrink",
+        lambda: (_t(3, 5), _t(2, 6)),
+        r"weight must be \[R, K\] with K.*=5, got shape \[2, 6\]",
+        id="shrink-k",
+    ),
+    pytest.param(
+        "lora_shrink", lambda: (_t(5), _t(2, 5)), r"x must be 2-D \[M, K\], got shape \[5\]", id="shrink-1d"
+    ),
+    pytest.param(
+        "lora_shrink",
+        lambda: (_t(3, 5).to(torch.int32), _t(2, 5)),
+        r"x must be float32, bfloat16 or float16",
+        id="shrink-int32",
+    ),
+    pytest.param(
+        "lora_expand_add",
+        lambda: (_t(3, 7), _t(3, 2, dtype=BF16), _t(7, 2), 1.0, FP32),
+        r"left must be float32",
+        id="expand-left-bf16",
+    ),
+    pytest.param(
+        "lora_expand_add",
+        lambda: (_t(3, 7), _t(4, 2), _t(7, 2), 1.0, FP32),
+        r"left must be \[M, R\] with M.*=3, got shape \[4, 2\]",
+        id="expand-m",
+    ),
+    pytest.param(
+        "lora_expand_add",
+        lambda: (_t(3, 7), _t(3, 2), _t(6, 2), 1.0, FP32),
+        r"right must be \[N, R\] with N.*=7, got shape \[6, 2\]",
+        id="expand-n",
+    ),
+    pytest.param(
+        "lora_expand_add",
+        lambda: (_t(3, 7), _t(3, 2), _t(7, 4), 1.0, FP32),
+        r"right must be \[N, R\] with R.*=2, got shape \[7, 4\]",
+        id="expand-r",
+    ),
+    pytest.param(
+        "lora_expand_add",
+        lambda: (_t(3, 7), _t(3, 2), _t(7, 2), 1.0, torch.int32),
+        r"out_dtype must be",
+        id="expand-out-int32",
+    ),
+    pytest.param(
+        "lora_weight_grad",
+        lambda: (_t(3, 2), _t(4, 5), 1.0),
+        r"x must be \[M, K\] with M.*=3, got shape \[4, 5\]",
+        id="wgrad-m",
+    ),
+    pytest.param(
+        "lora_weight_grad",
+        lambda: (_t(3, 2, dtype=FP16), _t(3, 5), 1.0),
+        r"left must be float32",
+        id="wgrad-left-fp16",
+    ),
+]
+
+
+@pytest.mark.parametrize("op, make_args, message", BAD_INPUTS)
+def test_bad_inputs_raise(op, make_args, message):
+    with pytest.raises(ValueError, match=message):
+        getattr(lora_terms, op)(*make_args())
+
+
+OPCHECK_CASES = [
+    pytest.param(lora_terms.lora_shrink, lambda: (_t(7, 19), _t(19, 5).T), id="shrink"),
+    pytest.param(
+        lora_terms.lora_expand_add, lambda: (_t(7, 23), _t(7, 5), _t(5, 23).T, SCALE, FP32), id="expand"
+    ),
+    pytest.param(
+        lora_terms.lora_expand_add,
+        lambda: (_t(7, 23), _t(7, 5), _t(23, 5), SCALE, BF16),
+        id="expand-bf16-out",
+    ),
+    pytest.param(lora_terms.lora_weight_grad, lambda: (_t(7, 5), _t(19, 7).T, SCALE), id="wgrad"),
+]
+
+
+@pytest.mark.parametrize("op, make_args", OPCHECK_CASES)
+def test_opcheck(op, make_args):
+    torch.library.opcheck(op, make_args())
