@@ -318,16 +318,16 @@ def test_bad_inputs_raise(op, make_args, message):
 
 
 OPCHECK_CASES = [
-    pytest.param(lora_terms.lora_shrink, lambda: (_t(7, 19), _t(19, 5).T), id="shrink"),
+    pytest.param(lora_terms.lora_shrink_op, lambda: (_t(7, 19), _t(19, 5).T), id="shrink"),
     pytest.param(
-        lora_terms.lora_expand_add, lambda: (_t(7, 23), _t(7, 5), _t(5, 23).T, SCALE, FP32), id="expand"
+        lora_terms.lora_expand_add_op, lambda: (_t(7, 23), _t(7, 5), _t(5, 23).T, SCALE, FP32), id="expand"
     ),
     pytest.param(
-        lora_terms.lora_expand_add,
+        lora_terms.lora_expand_add_op,
         lambda: (_t(7, 23), _t(7, 5), _t(23, 5), SCALE, BF16),
         id="expand-bf16-out",
     ),
-    pytest.param(lora_terms.lora_weight_grad, lambda: (_t(7, 5), _t(19, 7).T, SCALE), id="wgrad"),
+    pytest.param(lora_terms.lora_weight_grad_op, lambda: (_t(7, 5), _t(19, 7).T, SCALE), id="wgrad"),
 ]
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
-from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted for gradcheck only: it always runs the reference, in float64 (see _backend).
@@ -354,8 +354,14 @@ def _check_weight_grad(left: torch.Tensor, x: torch.Tensor) -> None:
     _check_devices(op, left=left, x=x)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", mutates_args=())
 def lora_shrink(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with fp32 accumulation: `fastlora::lora_shrink` (see `_lora_shrink_body`)."""
+    if skips_op_dispatch(x, weight):
+        return _lora_shrink_body(x, weight)
+    return lora_shrink_op(x, weight)
+
+
+def _lora_shrink_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with fp32 accumulation.
 
     x: [M, K] float32/bfloat16/float16; weight: [R, K], any of those dtypes (may differ from x's) and
@@ -367,14 +373,25 @@ def lora_shrink(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return reference.lora_shrink(x, weight).contiguous()
 
 
-@lora_shrink.register_fake
+lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_shrink_body, mutates_args=())
+
+
+@lora_shrink_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_shrink(x, weight)
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::lora_expand_add", mutates_args=())
 def lora_expand_add(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``base + scale * left @ right.T``: `fastlora::lora_expand_add` (see `_lora_expand_add_body`)."""
+    if skips_op_dispatch(base, left, right):
+        return _lora_expand_add_body(base, left, right, scale, out_dtype)
+    return lora_expand_add_op(base, left, right, scale, out_dtype)
+
+
+def _lora_expand_add_body(
     base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``base + scale * left @ right.T``, computed in fp32 and rounded once to ``out_dtype``.
@@ -388,7 +405,12 @@ def lora_expand_add(
     return reference.lora_expand_add(base, left, right, scale, out_dtype).contiguous()
 
 
-@lora_expand_add.register_fake
+lora_expand_add_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_expand_add", _lora_expand_add_body, mutates_args=()
+)
+
+
+@lora_expand_add_op.register_fake
 def _(
     base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -396,8 +418,14 @@ def _(
     return base.new_empty(base.shape, dtype=out_dtype)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::lora_weight_grad", mutates_args=())
 def lora_weight_grad(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * left.T @ x``: `fastlora::lora_weight_grad` (see `_lora_weight_grad_body`)."""
+    if skips_op_dispatch(left, x):
+        return _lora_weight_grad_body(left, x, scale)
+    return lora_weight_grad_op(left, x, scale)
+
+
+def _lora_weight_grad_body(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically).
 
     left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K] float32, contiguous;
@@ -409,7 +437,12 @@ def lora_weight_grad(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch
     return reference.lora_weight_grad(left, x, scale).contiguous()
 
 
-@lora_weight_grad.register_fake
+lora_weight_grad_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_weight_grad", _lora_weight_grad_body, mutates_args=()
+)
+
+
+@lora_weight_grad_op.register_fake
 def _(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
     _check_weight_grad(left, x)
     return x.new_empty((left.shape[1], x.shape[1]), dtype=torch.float32)
