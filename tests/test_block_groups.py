@@ -205,3 +205,21 @@ def test_fuse_blocks_false_keeps_one_call_per_projection():
     assert model.fastlora_groups() == []
     logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert autograd_node_names(logits).count(FUSED_BACKWARD_NODE) == 7
+
+
+def test_trainable_base_bias_is_fused():
+    """`bias="all"` makes the base biases trainable: the fused Functions return their gradients."""
+    config = dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj"], bias="all")
+    base = ToyModel()
+    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
+    peft = get_peft_model(base, LoraConfig(**config))
+    randomize_lora(fast, seed=1)
+    copy_lora(fast, peft)
+    x = torch.randn(3, 4, HIDDEN, generator=torch.Generator().manual_seed(5))
+    with count_lora_sublayer_calls(fast) as calls:
+        fast_outputs, _ = run(fast, "qkv", x, None)
+    peft_outputs, _ = run(peft, "qkv", x, None)
+    assert not calls and autograd_node_names(*fast_outputs).count(FUSED_BACKWARD_NODE) == 1
+    fast_bias = fast.base_model.model.attn.v_proj.base_layer.bias
+    peft_bias = peft.base_model.model.attn.v_proj.base_layer.bias
+    assert fast_bias.requires_grad and rel_err(fast_bias.grad, peft_bias.grad) < 1e-6
