@@ -8,7 +8,7 @@ import torch
 
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
-from fastlora_peft.functions.gated_mlp import fused_gated_mlp
+from fastlora_peft.functions.gated_mlp import LoraGatedMlpFunction, fused_gated_mlp
 from fastlora_peft.functions.shared_input import fused_lora_projections
 
 F64 = torch.float64
@@ -57,8 +57,14 @@ def test_shared_input_function_honours_needs_input_grad():
     assert lora.lora_b.grad is not None and lora.lora_a.grad is None and x.grad is None
 
 
+@pytest.fixture
+def keep_saved_preactivations(monkeypatch):
+    """gradcheck runs backward many times through one graph: keep the saved gate/up intact."""
+    monkeypatch.setattr(LoraGatedMlpFunction, "overwrite_saved_preactivations", False)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_gated_mlp_function_gradcheck(activation):
+def test_gated_mlp_function_gradcheck(activation, keep_saved_preactivations):
     generator = torch.Generator().manual_seed(2)
     gate = random_projection(8, 11, 3, 0.5, False, generator)
     up = random_projection(8, 11, 2, 1.5, True, generator)
@@ -73,3 +79,15 @@ def test_gated_mlp_function_gradcheck(activation):
         return fused_gated_mlp(x, bases, new_loras, PLAN, activation)
 
     assert torch.autograd.gradcheck(function, inputs)
+
+
+def test_gated_mlp_second_backward_needs_the_switch():
+    generator = torch.Generator().manual_seed(3)
+    projections = [random_projection(8, 11, 2, 1.0, False, generator) for _ in range(2)]
+    projections.append(random_projection(11, 8, 2, 1.0, False, generator))
+    bases, loras = [p[0] for p in projections], [p[1] for p in projections]
+    x = torch.randn(5, 8, generator=generator, dtype=F64, requires_grad=True)
+    out = fused_gated_mlp(x, bases, loras, PLAN, "silu")
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="overwrite_saved_preactivations"):
+        out.sum().backward()

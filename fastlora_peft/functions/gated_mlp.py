@@ -6,7 +6,9 @@
 
 Saves x, the gate/up pre-activations and the small fp32 `x @ [Ag; Au].T` and `h @ Ad.T`; h is
 recomputed in backward by the same fused activation kernel instead of being kept ([tokens, I] per
-block is the largest activation of a transformer layer).
+block is the largest activation of a transformer layer). Backward overwrites the saved gate/up with
+their gradients, so a second backward through the same graph (`retain_graph=True`) stops with
+autograd's in-place error instead of computing garbage.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from typing import Sequence
 import torch
 
 from ..dtypes import DtypePlan
-from ..kernels.gated_act import gated_act_backward, gated_act_forward
+from ..kernels.gated_act import gated_act_backward_, gated_act_forward
 from .frozen_base import FrozenBase, LoraWeights
-from .shared_input import shared_input_backward, shared_input_forward
+from .shared_input import (
+    hoisted_grad_xa,
+    shared_input_backward,
+    shared_input_forward,
+    shared_input_grad_x,
+    shared_input_weight_grads,
+)
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
 # apply(x, plan, activation, layout, *tensors)
@@ -34,6 +42,10 @@ class LoraGatedMlpFunction(torch.autograd.Function):
     dtype; every adapter gradient has its adapter's dtype and is accumulated in fp32.
     """
 
+    # Backward writes the gate/up gradients into the saved gate/up buffers (two [tokens, I] tensors
+    # less at the peak). False keeps them, for a second backward through the same graph.
+    overwrite_saved_preactivations = True
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: DtypePlan, activation: str, layout, *tensors: torch.Tensor):
         (gate_base, up_base, down_base), (gate_lora, up_lora, down_lora) = unflatten_tensors(layout, tensors)
@@ -42,37 +54,53 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         hidden = gated_act_forward(gate, up, activation)
         (out,), ha_down = shared_input_forward(hidden, [down_base], [down_lora], plan)
         ctx.plan, ctx.activation, ctx.layout = plan, activation, layout
+        ctx.overwrite = LoraGatedMlpFunction.overwrite_saved_preactivations
         ctx.save_for_backward(x, xa_gate_up, gate, up, ha_down, *tensors)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, xa_gate_up, gate, up, ha_down, *tensors = ctx.saved_tensors
+        try:
+            x, xa_gate_up, gate, up, ha_down, *tensors = ctx.saved_tensors
+        except RuntimeError as error:
+            if ctx.overwrite and "inplace operation" in str(error):
+                raise RuntimeError(
+                    "fastlora_peft: a second backward through a fused gated MLP: its first backward "
+                    "reused the saved gate/up buffers. Set LoraGatedMlpFunction."
+                    "overwrite_saved_preactivations = False (fastlora_peft.functions.gated_mlp) before "
+                    "the forward to keep them."
+                ) from error
+            raise
+        if not ctx.overwrite:
+            gate, up = gate.clone(), up.clone()
         plan: DtypePlan = ctx.plan
         bases, loras = unflatten_tensors(ctx.layout, tensors)
         needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
         x_2d = x.reshape(-1, x.shape[-1])
         grad_2d = grad_out.reshape(x_2d.shape[0], grad_out.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            hidden = gated_act_forward(gate, up, ctx.activation)  # recomputed, not saved
-            down = shared_input_backward(
-                hidden, ha_down, bases[2:], loras[2:], plan, [grad_2d], True, needs_loras[2:], needs_bases[2:]
-            )
+            # Down projection: its weight gradients need h, its input gradient does not, so h (recomputed,
+            # not saved) is freed before dh is made. Then dh becomes the gate/up gradients in the
+            # saved gate/up buffers themselves: the backward holds at most three [tokens, I] tensors.
+            down_bases, down_loras = bases[2:], loras[2:]
+            grad_ha, down_scale = hoisted_grad_xa([grad_2d], down_loras)
+            hidden = gated_act_forward(gate, up, ctx.activation)
+            down_grad_loras, down_grad_bases = shared_input_weight_grads(
+                hidden, ha_down, [grad_2d], grad_ha, down_scale, down_bases, down_loras,
+                needs_loras[2:], needs_bases[2:],
+            )  # fmt: skip
             del hidden
-            grad_gate, grad_up = gated_act_backward(down.grad_x, gate, up, ctx.activation)
-            gate_up = shared_input_backward(
-                x_2d,
-                xa_gate_up,
-                bases[:2],
-                loras[:2],
-                plan,
-                [grad_gate, grad_up],
-                ctx.needs_input_grad[0],
-                needs_loras[:2],
-                needs_bases[:2],
+            grad_hidden = shared_input_grad_x(
+                [grad_2d], grad_ha, down_scale, down_bases, down_loras, plan, gate.dtype
             )
+            gated_act_backward_(grad_hidden, gate, up, ctx.activation)  # gate, up now hold their grads
+            del grad_hidden
+            gate_up = shared_input_backward(
+                x_2d, xa_gate_up, bases[:2], loras[:2], plan, [gate, up], ctx.needs_input_grad[0],
+                needs_loras[:2], needs_bases[:2],
+            )  # fmt: skip
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
-        grad_tree = (gate_up.bases + down.bases, gate_up.loras + down.loras)
+        grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + down_grad_loras)
         return (grad_x, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DtypePlan
-from ..kernels.lora_terms import lora_expand_add, lora_shrink, lora_weight_grad
+from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink, lora_weight_grad
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
@@ -65,8 +65,88 @@ def shared_input_forward(
         weight = materialize_weight(base, plan.compute_dtype)
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         base_out = F.linear(x_compute, weight, bias)
-        outputs.append(lora_expand_add(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype))
+        outputs.append(_add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype))
     return outputs, xa
+
+
+def _add_lora_term(base_out, left, right, scale, out_dtype) -> torch.Tensor:
+    """base_out + scale * left @ right.T, in base_out's own buffer when the dtypes allow it."""
+    if base_out.dtype == out_dtype and base_out.is_contiguous():
+        return lora_expand_add_(base_out, left, right, scale)
+    return lora_expand_add(base_out, left, right, scale, out_dtype)
+
+
+def _grads_or_zeros(x_2d, bases, plan, grads_2d) -> list[torch.Tensor]:
+    tokens = x_2d.shape[0]
+    return [
+        x_2d.new_zeros(tokens, base_out_features(base), dtype=plan.out_dtype) if grad is None else grad
+        for base, grad in zip(bases, grads_2d)
+    ]
+
+
+def hoisted_grad_xa(
+    grads_2d: Sequence[torch.Tensor], loras: Sequence[LoraWeights]
+) -> tuple[torch.Tensor, float]:
+    """`g_i @ B_i` for every projection, side by side: it feeds both dX and dA_i, so it is made once.
+
+    Returns (grad_xa `[tokens, sum r]` fp32, the scale still to apply): for one projection the
+    kernels apply its scale; for a group each block of columns already carries its own.
+    """
+    if len(loras) == 1:
+        return lora_shrink(grads_2d[0], loras[0].lora_b.t()), loras[0].scale
+    grad_xa = torch.cat(
+        [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)], dim=1
+    )
+    return grad_xa, 1.0
+
+
+def shared_input_grad_x(
+    grads_2d: Sequence[torch.Tensor],
+    grad_xa: torch.Tensor,
+    lora_scale: float,
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    plan: DtypePlan,
+    x_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dX of every projection accumulated in one buffer: sum_i g_i W_i, plus the LoRA terms."""
+    grad_x_base = None
+    for base, grad in zip(bases, grads_2d):
+        weight = materialize_weight(base, plan.compute_dtype)
+        grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
+        if grad_x_base is None:
+            grad_x_base = grad_compute @ weight
+        else:
+            grad_x_base.addmm_(grad_compute, weight)
+    return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_dtype)
+
+
+def shared_input_weight_grads(
+    x_2d: torch.Tensor,
+    xa: torch.Tensor,
+    grads_2d: Sequence[torch.Tensor],
+    grad_xa: Optional[torch.Tensor],
+    lora_scale: float,
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    needs_loras: Sequence[LoraWeights],
+    needs_bases: Sequence[FrozenBase],
+) -> tuple[list[LoraWeights], list[FrozenBase]]:
+    """dA_i (one pass over x for all of them), dB_i from the saved xa, and trainable biases' grads."""
+    needs_a = any(need.lora_a for need in needs_loras)
+    grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
+    grad_loras = []
+    for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
+        grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
+        grad_b = None
+        if need.lora_b:
+            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale).t().to(lora.lora_b.dtype)
+        grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
+    grad_bases = []
+    for base, need, grad in zip(bases, needs_bases, grads_2d):
+        grad_bias = grad.sum(0, dtype=torch.float32).to(base.bias.dtype) if need.bias else None
+        grad_bases.append(FrozenBase(None, grad_bias, None))  # the weight stays frozen
+    return grad_loras, grad_bases
 
 
 def shared_input_backward(
@@ -81,48 +161,16 @@ def shared_input_backward(
     needs_bases: Sequence[FrozenBase],
 ) -> SharedInputGrads:
     """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused)."""
-    tokens = x_2d.shape[0]
-    grads_2d = [
-        x_2d.new_zeros(tokens, base_out_features(base), dtype=plan.out_dtype) if grad is None else grad
-        for base, grad in zip(bases, grads_2d)
-    ]
-    needs_a = any(need.lora_a for need in needs_loras)
-    # g_i @ B_i, hoisted: it feeds both dX and dA_i. For one projection the kernels apply the scale;
-    # for a group each block of columns carries its own projection's scale.
-    grad_xa, lora_scale = None, loras[0].scale if len(loras) == 1 else 1.0
-    if (needs_x or needs_a) and len(loras) == 1:
-        grad_xa = lora_shrink(grads_2d[0], loras[0].lora_b.t())
-    elif needs_x or needs_a:
-        grad_xa = torch.cat(
-            [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)],
-            dim=1,
-        )
-
+    grads_2d = _grads_or_zeros(x_2d, bases, plan, grads_2d)
+    grad_xa, lora_scale = None, 1.0
+    if needs_x or any(need.lora_a for need in needs_loras):
+        grad_xa, lora_scale = hoisted_grad_xa(grads_2d, loras)
     grad_x = None
     if needs_x:
-        grad_x_base = None
-        for base, grad in zip(bases, grads_2d):
-            weight = materialize_weight(base, plan.compute_dtype)
-            grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
-            if grad_x_base is None:
-                grad_x_base = grad_compute @ weight
-            else:
-                grad_x_base.addmm_(grad_compute, weight)
-        grad_x = lora_expand_add(grad_x_base, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_2d.dtype)
-
-    grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
-    grad_loras = []
-    for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
-        grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
-        grad_b = None
-        if need.lora_b:
-            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale).t().to(lora.lora_b.dtype)
-        grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
-
-    grad_bases = []
-    for base, need, grad in zip(bases, needs_bases, grads_2d):
-        grad_bias = grad.sum(0, dtype=torch.float32).to(base.bias.dtype) if need.bias else None
-        grad_bases.append(FrozenBase(None, grad_bias, None))  # the weight stays frozen
+        grad_x = shared_input_grad_x(grads_2d, grad_xa, lora_scale, bases, loras, plan, x_2d.dtype)
+    grad_loras, grad_bases = shared_input_weight_grads(
+        x_2d, xa, grads_2d, grad_xa, lora_scale, bases, loras, needs_loras, needs_bases
+    )
     return SharedInputGrads(grad_x, grad_loras, grad_bases)
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import gated_act_reference as _reference
-from ._backend import OP_NAMESPACE, runs_triton
+from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -162,12 +162,15 @@ def _gated_act_forward_triton(gate: torch.Tensor, up: torch.Tensor, activation: 
 
 
 def _gated_act_backward_triton(
-    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad_h, gate, up = _unit_column_stride(grad_h), _unit_column_stride(gate), _unit_column_stride(up)
     n_rows, n_cols = gate.shape
-    grad_gate = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
-    grad_up = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
+    if in_place:  # each program loads its gate/up elements before it stores their gradients there
+        grad_gate, grad_up = gate, up
+    else:
+        grad_gate = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
     if grad_gate.numel() == 0:
         return grad_gate, grad_up
     grid_size, n_col_blocks, block_i, num_warps = _launch_geometry(n_rows, n_cols)
@@ -263,3 +266,35 @@ def _forward_backward(ctx, grad_h):
 
 
 gated_act_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+def gated_act_backward_(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """In place: gate <- grad_gate, up <- grad_up (same math as ``gated_act_backward``).
+
+    For a caller that owns gate and up and needs them no more (the gated MLP's backward): saves two
+    [M, I] buffers, the largest of a transformer layer's backward. gate and up need a unit column
+    stride. `fastlora::gated_act_backward_`.
+    """
+    if skips_op_dispatch(grad_h, gate, up):
+        _gated_act_backward_inplace_body(grad_h, gate, up, activation)
+    else:
+        _gated_act_backward_inplace_op(grad_h, gate, up, activation)
+
+
+def _gated_act_backward_inplace_body(
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> None:
+    _check_inputs(gate, up, activation, grad_h)
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("gated_act_backward_: gate and up need a unit column stride to be written in place")
+    if runs_triton(gate):
+        _gated_act_backward_triton(grad_h, gate, up, activation, in_place=True)
+        return
+    grad_gate, grad_up = _reference.gated_act_backward(grad_h, gate, up, activation)
+    gate.copy_(grad_gate)
+    up.copy_(grad_up)
+
+
+_gated_act_backward_inplace_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::gated_act_backward_", _gated_act_backward_inplace_body, mutates_args=("gate", "up")
+)

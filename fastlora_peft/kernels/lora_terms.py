@@ -221,10 +221,12 @@ def _lora_expand_add_triton(
     block_m: int = 64,
     block_n: int = 128,
     block_r: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     M, N = base.shape
     R = left.shape[1]
-    out = torch.empty((M, N), dtype=out_dtype, device=base.device)
+    # out may be base itself: each program loads its base tile before it stores the same tile.
+    out = torch.empty((M, N), dtype=out_dtype, device=base.device) if out is None else out
     if out.numel() == 0:
         return out
     # tl.dot's second operand wants its reduction (rank) dim contiguous: with right = lora_a.T the op
@@ -403,6 +405,40 @@ def _lora_expand_add_body(
     if runs_triton(base):
         return _lora_expand_add_triton(base=base, left=left, right=right, scale=scale, out_dtype=out_dtype)
     return reference.lora_expand_add(base, left, right, scale, out_dtype).contiguous()
+
+
+def lora_expand_add_(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """In place: ``base += scale * left @ right.T`` (fp32 sum, one rounding to base's dtype); returns base.
+
+    For a caller that owns ``base`` (a fresh base-matmul output): saves one [M, N] buffer per call.
+    base must be contiguous. `fastlora::lora_expand_add_` (see `_lora_expand_add_inplace_body`).
+    """
+    if skips_op_dispatch(base, left, right):
+        _lora_expand_add_inplace_body(base, left, right, scale)
+    else:
+        lora_expand_add_inplace_op(base, left, right, scale)
+    return base
+
+
+def _lora_expand_add_inplace_body(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+) -> None:
+    _check_expand_add(base, left, right, base.dtype)
+    if not base.is_contiguous():
+        raise ValueError(f"lora_expand_add_: base must be contiguous, got strides {base.stride()}")
+    if runs_triton(base):
+        _lora_expand_add_triton(
+            base=base, left=left, right=right, scale=scale, out_dtype=base.dtype, out=base
+        )
+    else:
+        base.copy_(reference.lora_expand_add(base, left, right, scale, base.dtype))
+
+
+lora_expand_add_inplace_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_expand_add_", _lora_expand_add_inplace_body, mutates_args=("base",)
+)
 
 
 lora_expand_add_op = torch.library.custom_op(
