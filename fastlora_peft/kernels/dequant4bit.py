@@ -20,10 +20,9 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fastlora_peft.kernels import dequant4bit_reference as reference
-from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bitsandbytes' blocksizes for 4-bit weights. The kernel needs a power of two of at least 2.
@@ -437,10 +436,6 @@ def dequantize(
         state.blocksize, state.nested_blocksize, state.rows, state.cols,
         state.dtype if out_dtype is None else out_dtype,
     )  # fmt: skip
-    if (
-        type(packed) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
-    ):
+    if skips_op_dispatch(packed, state.absmax, state.nested_absmax):
         return _dequantize_4bit_eager(*args)
     return dequantize_4bit(*args)
