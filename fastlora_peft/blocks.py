@@ -31,6 +31,8 @@ def _group_blocker(members: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[s
         adapters.add(active[0])
         if member.fused_blocker(kwargs) is not None:
             return "a member cannot take the fused path"
+        if member.dropout_active(active[0]):  # each member draws its own mask, as PEFT's layers do
+            return "lora_dropout while training (members run one by one)"
     if len(adapters) != 1:
         return "members have different active adapters"
     if x.shape[-1] != members[0].in_features or not x.is_floating_point():

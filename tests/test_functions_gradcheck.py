@@ -25,8 +25,9 @@ def random_projection(in_features, out_features, rank, scale, bias, generator, t
     return base, lora
 
 
+@pytest.mark.parametrize("dropped_input", [False, True], ids=["x", "x-and-dropped-x"])
 @pytest.mark.parametrize("projections", [1, 3], ids=["single", "qkv"])
-def test_shared_input_function_gradcheck(projections):
+def test_shared_input_function_gradcheck(projections, dropped_input):
     generator = torch.Generator().manual_seed(0)
     shapes = [(7, 3, 0.5, True), (5, 2, 2.0, False), (4, 6, 1.25, True)][:projections]
     pairs = [
@@ -35,14 +36,19 @@ def test_shared_input_function_gradcheck(projections):
     ]
     bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
     x = torch.randn(2, 5, 9, generator=generator, dtype=F64, requires_grad=True)
+    # The LoRA terms may read another tensor than the base (x after lora_dropout).
+    x_lora = (
+        torch.randn(2, 5, 9, generator=generator, dtype=F64, requires_grad=True) if dropped_input else None
+    )
     inputs = [x] + [t for lora in loras for t in (lora.lora_a, lora.lora_b)]
     inputs += [base.bias for base in bases if base.bias is not None]
+    inputs += [x_lora] if dropped_input else []
 
     def function(x, *tensors):
         it = iter(tensors)
         new_loras = [LoraWeights(next(it), next(it), lora.scale) for lora in loras]
         new_bases = [FrozenBase(b.weight, next(it) if b.bias is not None else None, None) for b in bases]
-        return fused_lora_projections(x, new_bases, new_loras, PLAN)
+        return fused_lora_projections(x, new_bases, new_loras, PLAN, next(it, None))
 
     assert torch.autograd.gradcheck(function, inputs)
 

@@ -201,20 +201,29 @@ def test_static_fallback_warns_once_with_count_and_strict_raises(option, reason)
         get_peft_model(tiny_llama(), FastLoraConfig(target_modules=TARGETS, fused_only=True, **option))
 
 
-def test_dropout_falls_back_in_training_only():
-    fast, peft = fast_and_peft({"lora_dropout": 0.1})
-    fast.eval()
-    assert_fused(logits(fast))  # dropout is the identity in eval: fused
+def test_dropout_is_fused_with_peft_masks():
+    """lora_dropout runs through PEFT's own dropout modules in PEFT's order: same masks, same numbers."""
+    fast, peft = fast_and_peft({"lora_dropout": 0.3})
     fast.train()
-    with pytest.warns(FastLoraFallbackWarning, match="lora_dropout"):
-        logits(fast)
-    assert any("lora_dropout" in reason for route in fast.fastlora_report() for reason in route.reasons)
-    strict = get_peft_model(
-        tiny_llama(), FastLoraConfig(target_modules=TARGETS, lora_dropout=0.1, fused_only=True)
-    )
-    strict.train()
-    with pytest.raises(FusedPathError, match="lora_dropout"):
-        logits(strict)
+    peft.train()
+    ids = input_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FastLoraFallbackWarning)  # no fallback, so no warning
+        with count_lora_sublayer_calls(fast) as calls:
+            torch.manual_seed(11)
+            out = logits(fast, ids)
+    torch.manual_seed(11)
+    expected = logits(peft, ids)
+    assert not calls
+    assert_fused(out)
+    assert rel_err(out, expected) < 1e-5
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    peft_params = dict(peft.named_parameters())
+    for name, param in fast.named_parameters():
+        if "lora_" in name:
+            assert rel_err(param.grad, peft_params[name].grad) < 1e-4, name
+    assert all(route.path == "fused" for route in fast.fastlora_report())
 
 
 def test_unsupported_module_type_is_announced():

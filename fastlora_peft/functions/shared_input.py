@@ -26,12 +26,13 @@ from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink,
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
-# apply(x, plan, layout, *tensors): positions of the non-tensor arguments before the tensors.
-_FIRST_TENSOR_ARG = 3
+# apply(x, x_lora, plan, layout, *tensors): the flattened tensors start here.
+_FIRST_TENSOR_ARG = 4
 
 
 class SharedInputGrads(NamedTuple):
     grad_x: Optional[torch.Tensor]  # [tokens, in_features], x's dtype
+    grad_x_lora: Optional[torch.Tensor]  # the LoRA terms' share when they read a dropped-out x_lora
     loras: list[LoraWeights]  # grad_a / grad_b (or None) in each slot
     bases: list[FrozenBase]  # grad of a trainable bias (or None); the weight is frozen
 
@@ -55,11 +56,18 @@ def stacked_lora_a(loras: Sequence[LoraWeights]) -> torch.Tensor:
 
 
 def shared_input_forward(
-    x_2d: torch.Tensor, bases: Sequence[FrozenBase], loras: Sequence[LoraWeights], plan: DtypePlan
+    x_2d: torch.Tensor,
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    plan: DtypePlan,
+    x_lora_2d: Optional[torch.Tensor] = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward."""
+    """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward.
+
+    x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
+    """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
-    xa = lora_shrink(x_2d, stacked_lora_a(loras))
+    xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_lora_a(loras))
     outputs = []
     for base, lora, ranks in zip(bases, loras, rank_slices(loras)):
         weight = materialize_weight(base, plan.compute_dtype)
@@ -108,8 +116,10 @@ def shared_input_grad_x(
     loras: Sequence[LoraWeights],
     plan: DtypePlan,
     x_dtype: torch.dtype,
+    with_lora_term: bool = True,
 ) -> torch.Tensor:
-    """dX of every projection accumulated in one buffer: sum_i g_i W_i, plus the LoRA terms."""
+    """dX of every projection accumulated in one buffer: sum_i g_i W_i, plus the LoRA terms (unless
+    they read another tensor, a dropped-out x: then `lora_input_grad` gives their share)."""
     grad_x_base = None
     for base, grad in zip(bases, grads_2d):
         weight = materialize_weight(base, plan.compute_dtype)
@@ -118,7 +128,17 @@ def shared_input_grad_x(
             grad_x_base = grad_compute @ weight
         else:
             grad_x_base.addmm_(grad_compute, weight)
+    if not with_lora_term:
+        return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
     return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_dtype)
+
+
+def lora_input_grad(
+    grad_xa: torch.Tensor, lora_scale: float, loras: Sequence[LoraWeights], x_lora_2d: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of the tensor the LoRA terms read, `scale * (g B) A`, when it is not x itself."""
+    zeros = torch.zeros_like(x_lora_2d, memory_format=torch.contiguous_format)
+    return _add_lora_term(zeros, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_lora_2d.dtype)
 
 
 def shared_input_weight_grads(
@@ -159,25 +179,41 @@ def shared_input_backward(
     needs_x: bool,
     needs_loras: Sequence[LoraWeights],
     needs_bases: Sequence[FrozenBase],
+    x_lora_2d: Optional[torch.Tensor] = None,
+    needs_x_lora: bool = False,
 ) -> SharedInputGrads:
     """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused)."""
     grads_2d = _grads_or_zeros(x_2d, bases, plan, grads_2d)
+    lora_reads_x = x_lora_2d is None
     grad_xa, lora_scale = None, 1.0
-    if needs_x or any(need.lora_a for need in needs_loras):
+    if (needs_x and lora_reads_x) or needs_x_lora or any(need.lora_a for need in needs_loras):
         grad_xa, lora_scale = hoisted_grad_xa(grads_2d, loras)
-    grad_x = None
+    grad_x = grad_x_lora = None
     if needs_x:
-        grad_x = shared_input_grad_x(grads_2d, grad_xa, lora_scale, bases, loras, plan, x_2d.dtype)
+        grad_x = shared_input_grad_x(
+            grads_2d, grad_xa, lora_scale, bases, loras, plan, x_2d.dtype, with_lora_term=lora_reads_x
+        )
+    if needs_x_lora and not lora_reads_x:
+        grad_x_lora = lora_input_grad(grad_xa, lora_scale, loras, x_lora_2d)
     grad_loras, grad_bases = shared_input_weight_grads(
-        x_2d, xa, grads_2d, grad_xa, lora_scale, bases, loras, needs_loras, needs_bases
+        x_2d if lora_reads_x else x_lora_2d,
+        xa,
+        grads_2d,
+        grad_xa,
+        lora_scale,
+        bases,
+        loras,
+        needs_loras,
+        needs_bases,
     )
-    return SharedInputGrads(grad_x, grad_loras, grad_bases)
+    return SharedInputGrads(grad_x, grad_x_lora, grad_loras, grad_bases)
 
 
 class LoraSharedInputFunction(torch.autograd.Function):
     """Forward and backward of `P` LoRA projections sharing the input x.
 
-    Inputs: x `[..., in_features]` (fp32, bf16 or fp16); `plan` from `plan_projection_dtypes`;
+    Inputs: x `[..., in_features]` (fp32, bf16 or fp16); x_lora, what the LoRA terms read instead
+    of x (x after lora_dropout, same shape), or None; `plan` from `plan_projection_dtypes`;
     `layout` from `flatten_tensors((bases, loras))`; then the flattened tensors.
     Outputs: P tensors `[..., out_features_i]` of `plan.out_dtype`.
     Dtypes: the base matmuls run in `plan.compute_dtype` (fp32 accumulation by the BLAS); the LoRA
@@ -186,36 +222,47 @@ class LoraSharedInputFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: DtypePlan, layout, *tensors: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, x_lora: Optional[torch.Tensor], plan: DtypePlan, layout, *tensors):
         bases, loras = unflatten_tensors(layout, tensors)
-        outputs, xa = shared_input_forward(x.reshape(-1, x.shape[-1]), bases, loras, plan)
+        x_lora_2d = None if x_lora is None else x_lora.reshape(-1, x.shape[-1])
+        outputs, xa = shared_input_forward(x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d)
         ctx.plan, ctx.layout = plan, layout
-        ctx.save_for_backward(x, xa, *tensors)
+        ctx.save_for_backward(x, x_lora, xa, *tensors)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
-        x, xa, *tensors = ctx.saved_tensors
+        x, x_lora, xa, *tensors = ctx.saved_tensors
         bases, loras = unflatten_tensors(ctx.layout, tensors)
         needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
         x_2d = x.reshape(-1, x.shape[-1])
         grads_2d = [
             None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs
         ]
+        x_lora_2d = None if x_lora is None else x_lora.reshape(x_2d.shape)
         with torch.autocast(x.device.type, enabled=False):
             grads = shared_input_backward(
-                x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases
-            )
+                x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases,
+                x_lora_2d, ctx.needs_input_grad[1],
+            )  # fmt: skip
         grad_x = None if grads.grad_x is None else grads.grad_x.view(x.shape)
+        grad_x_lora = None if grads.grad_x_lora is None else grads.grad_x_lora.view(x.shape)
         # One gradient per flattened tensor, in the same order as the inputs.
         grad_tensors = values_in_tensor_slots(ctx.layout, (grads.bases, grads.loras))
-        return (grad_x, None, None, *grad_tensors)
+        return (grad_x, grad_x_lora, None, None, *grad_tensors)
 
 
 def fused_lora_projections(
-    x: torch.Tensor, bases: Sequence[FrozenBase], loras: Sequence[LoraWeights], plan: DtypePlan
+    x: torch.Tensor,
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    plan: DtypePlan,
+    x_lora: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Runs `LoraSharedInputFunction` with autocast off inside (the plan already holds its dtypes)."""
+    """Runs `LoraSharedInputFunction` with autocast off inside (the plan already holds its dtypes).
+
+    x_lora: x after lora_dropout, read by the LoRA terms instead of x; None when there is no dropout.
+    """
     tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
     with torch.autocast(x.device.type, enabled=False):
-        return LoraSharedInputFunction.apply(x, plan, layout, *tensors)
+        return LoraSharedInputFunction.apply(x, x_lora, plan, layout, *tensors)

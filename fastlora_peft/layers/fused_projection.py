@@ -94,13 +94,7 @@ class FusedProjectionMixin:
         if len(active) > 1:
             return "several active adapters"
         adapter_name = active[0]
-        reason = self.static_blocker(adapter_name)
-        if reason is not None:
-            return reason
-        dropout = self.lora_dropout[adapter_name]
-        if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
-            return "lora_dropout > 0 while training"
-        return None
+        return self.static_blocker(adapter_name)
 
     def present_active_adapters(self) -> list[str]:
         return [name for name in self.active_adapters if name in self.lora_A]
@@ -123,8 +117,23 @@ class FusedProjectionMixin:
         self.check_input(x)
         (adapter_name,) = self.present_active_adapters()
         plan = self.dtype_plan(x)
-        (out,) = fused_lora_projections(x, [self.frozen_base()], [self.lora_weights(adapter_name)], plan)
+        x_lora = self.dropped_input(adapter_name, x)
+        lora = self.lora_weights(adapter_name)
+        (out,) = fused_lora_projections(x, [self.frozen_base()], [lora], plan, x_lora)
         return out
+
+    def dropout_active(self, adapter_name: str) -> bool:
+        dropout = self.lora_dropout[adapter_name]
+        return isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training
+
+    def dropped_input(self, adapter_name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x after this adapter's lora_dropout (PEFT's own module, so the same random stream), or None.
+
+        Like PEFT, the dropped-out copy is made only while dropout is active (training, p > 0).
+        """
+        if not self.dropout_active(adapter_name):
+            return None
+        return self.lora_dropout[adapter_name](x)
 
     def lora_weights(self, adapter_name: str) -> LoraWeights:
         return LoraWeights(
