@@ -3,7 +3,7 @@
 Groups are installed by `grouping.group_blocks` after injection. Each takes over its parent
 module's `forward` (an instance attribute, removed again by `uninstall`) and falls back to the
 parent's own forward, which calls every member layer one by one, whenever a member cannot take
-the fused path right now (disabled, merged, another adapter, dropout while training, ...). That
+the fused path right now (disabled, merged, another adapter, ...) or lora_dropout is active. That
 fallback is still each member's fused single-projection path unless the member itself says why not.
 """
 
