@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..dtypes import DtypePlan
+from ..dtypes import DtypePlan, plan_projection_dtypes
 from ..functions.frozen_base import FrozenBase, LoraWeights
 from ..functions.shared_input import fused_lora_projections
 
@@ -143,8 +143,6 @@ class FusedProjectionMixin:
         )
 
     def dtype_plan(self, x: torch.Tensor) -> DtypePlan:
-        from ..dtypes import plan_projection_dtypes
-
         return plan_projection_dtypes(
             x.dtype, self.base_compute_dtype(x), quantized=self.is_quantized, device_type=x.device.type
         )
