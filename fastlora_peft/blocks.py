@@ -25,13 +25,13 @@ def _group_blocker(members: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[s
     for member in members:
         if member.disable_adapters or member.merged:
             return "adapters disabled or merged"
-        active = member.present_active_adapters()
-        if len(active) != 1:
-            return "not exactly one active adapter on every member"
-        adapters.add(active[0])
+        active = tuple(member.present_active_adapters())
+        if not active:
+            return "a member has no active adapter"
+        adapters.add(active)
         if member.fused_blocker(kwargs) is not None:
             return "a member cannot take the fused path"
-        if member.dropout_active(active[0]):  # each member draws its own mask, as PEFT's layers do
+        if any(member.dropout_active(name) for name in active):  # each member draws its own mask
             return "lora_dropout while training (members run one by one)"
     if len(adapters) != 1:
         return "members have different active adapters"
@@ -126,11 +126,11 @@ class SharedInputGroup(BlockGroup):
         if plan is None:
             self.unfused_calls[reason or "members' dtype plans differ"] += 1
             return None
-        (adapter_name,) = self.members[0].present_active_adapters()
+        adapter_names = self.members[0].present_active_adapters()
         outputs = fused_lora_projections(
             x,
             [m.frozen_base() for m in self.members],
-            [m.lora_weights(adapter_name) for m in self.members],
+            [m.lora_weights(adapter_names) for m in self.members],
             plan,
         )
         self.fused_calls += 1
@@ -153,6 +153,10 @@ class GatedMlpGroup(BlockGroup):
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         reason = "extra arguments" if args or kwargs else _group_blocker(self.members, x, {})
+        # Hooks on a member may change its call (PEFT passes `adapter_names` batches to each layer
+        # through a forward pre-hook), and the members' own calls are what the group replaces.
+        if reason is None and any(member._forward_pre_hooks for member in self.members):
+            reason = "a member has forward pre-hooks (e.g. an adapter_names batch)"
         plan = self.plan(x) if reason is None else None
         if plan is not None:  # down reads h, which has the gate/up output dtype: it must plan the same
             hidden_probe = x.new_empty((0, self.members[2].in_features), dtype=plan.out_dtype)
@@ -161,12 +165,12 @@ class GatedMlpGroup(BlockGroup):
         if plan is None:
             self.unfused_calls[reason or "members' dtype plans differ"] += 1
             return self.original_forward(x, *args, **kwargs)
-        (adapter_name,) = self.members[0].present_active_adapters()
+        adapter_names = self.members[0].present_active_adapters()
         self.fused_calls += 1
         return fused_gated_mlp(
             x,
             [m.frozen_base() for m in self.members],
-            [m.lora_weights(adapter_name) for m in self.members],
+            [m.lora_weights(adapter_names) for m in self.members],
             plan,
             self.activation,
         )

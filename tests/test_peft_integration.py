@@ -154,7 +154,7 @@ def test_merge_disable_unload_match_peft():
     assert rel_err(logits(unloaded, ids), base_out) < 1e-6
 
 
-def test_second_adapter_fused_and_several_active_announced():
+def test_second_adapter_and_several_active_adapters_are_fused():
     fast, peft = fast_and_peft()
     second = dict(r=3, lora_alpha=5, target_modules=TARGETS)
     fast.add_adapter("second", FastLoraConfig(**second))
@@ -169,14 +169,46 @@ def test_second_adapter_fused_and_several_active_announced():
     assert_fused(out)
     assert rel_err(out, logits(peft, ids)) < 1e-5
 
+    # Both active: their LoRA terms sum, as one rank-(4 + 3) term inside the same fused calls.
     fast.base_model.set_adapter(["default", "second"])
     peft.base_model.set_adapter(["default", "second"])
-    with pytest.warns(FastLoraFallbackWarning, match="several active adapters"):
-        out = logits(fast, ids)
-    assert rel_err(out, logits(peft, ids)) < 1e-5
+    for model in (fast, peft):
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FastLoraFallbackWarning)
+        with count_lora_sublayer_calls(fast) as calls:
+            out = logits(fast, ids)
+    expected = logits(peft, ids)
+    assert not calls
+    assert_fused(out)
+    assert rel_err(out, expected) < 1e-5
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    peft_params = dict(peft.named_parameters())
+    for name, param in fast.named_parameters():
+        if "lora_" in name:
+            assert param.grad is not None, name
+            assert rel_err(param.grad, peft_params[name].grad) < 1e-4, name
+    assert all(route.path == "fused" for route in fast.fastlora_report())
+
+
+def test_adapter_names_batch_falls_back_announced():
+    fast, peft = fast_and_peft()
+    second = dict(r=3, lora_alpha=5, target_modules=TARGETS)
+    fast.add_adapter("second", FastLoraConfig(**second))
+    peft.add_adapter("second", LoraConfig(**second))
+    randomize_lora(fast, seed=9)
+    copy_lora(fast, peft)
+    ids = input_ids()
+    names = ["default", "second"]
+    fast.eval()  # PEFT accepts adapter_names only in eval mode
+    peft.eval()
+    with pytest.warns(FastLoraFallbackWarning, match="adapter_names"):
+        out = fast(input_ids=ids, adapter_names=names).logits
+    assert rel_err(out, peft(input_ids=ids, adapter_names=names).logits) < 1e-5
     report = {route.name: route for route in fast.fastlora_report()}
-    q_route = report["model.layers.0.self_attn.q_proj"]
-    assert q_route.path == "peft" and "several active adapters" in q_route.reasons[0]
+    assert report["model.layers.0.mlp.down_proj"].path == "peft"
 
 
 # -- announced fallbacks ----------------------------------------------------------------------------

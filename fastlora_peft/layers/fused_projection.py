@@ -91,10 +91,15 @@ class FusedProjectionMixin:
         if forward_kwargs.get("adapter_names") is not None:
             return "adapter_names (mixed-adapter batch)"
         active = self.present_active_adapters()
-        if len(active) > 1:
-            return "several active adapters"
-        adapter_name = active[0]
-        return self.static_blocker(adapter_name)
+        for adapter_name in active:
+            reason = self.static_blocker(adapter_name)
+            if reason is not None:
+                return reason
+        if len(active) > 1 and any(self.dropout_active(name) for name in active):
+            return "several active adapters with lora_dropout while training"
+        if len({self.lora_A[name].weight.dtype for name in active}) > 1:
+            return "several active adapters of different dtypes"
+        return None
 
     def present_active_adapters(self) -> list[str]:
         return [name for name in self.active_adapters if name in self.lora_A]
@@ -111,15 +116,16 @@ class FusedProjectionMixin:
         reason = self.fused_blocker(kwargs)
         if reason is not None:
             # Config-level reasons were announced at injection; run-time ones are announced here.
-            already_announced = reason == self.static_blocker(self.present_active_adapters()[0])
+            already_announced = reason in {
+                self.static_blocker(name) for name in self.present_active_adapters()
+            }
             self.record_fallback(reason, announce=not already_announced)
             return super().forward(x, *args, **kwargs)
         self.check_input(x)
-        (adapter_name,) = self.present_active_adapters()
+        active = self.present_active_adapters()
         plan = self.dtype_plan(x)
-        x_lora = self.dropped_input(adapter_name, x)
-        lora = self.lora_weights(adapter_name)
-        (out,) = fused_lora_projections(x, [self.frozen_base()], [lora], plan, x_lora)
+        x_lora = self.dropped_input(active[0], x) if len(active) == 1 else None
+        (out,) = fused_lora_projections(x, [self.frozen_base()], [self.lora_weights(active)], plan, x_lora)
         return out
 
     def dropout_active(self, adapter_name: str) -> bool:
@@ -135,12 +141,16 @@ class FusedProjectionMixin:
             return None
         return self.lora_dropout[adapter_name](x)
 
-    def lora_weights(self, adapter_name: str) -> LoraWeights:
-        return LoraWeights(
-            self.lora_A[adapter_name].weight,
-            self.lora_B[adapter_name].weight,
-            float(self.scaling[adapter_name]),
-        )
+    def lora_weights(self, adapter_names: list[str]) -> LoraWeights:
+        """The active adapters as one LoRA term. Several adapters sum: their A rows and their scaled B
+        columns side by side (a rank-(r1 + r2 + ...) adapter), built by autograd ops outside the fused
+        Function, so each adapter's gradient flows back through torch.cat and the scale."""
+        if len(adapter_names) == 1:
+            (name,) = adapter_names
+            return LoraWeights(self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]))
+        lora_a = torch.cat([self.lora_A[name].weight for name in adapter_names], dim=0)
+        lora_b = torch.cat([self.lora_B[name].weight * self.scaling[name] for name in adapter_names], dim=1)
+        return LoraWeights(lora_a, lora_b, 1.0)
 
     def dtype_plan(self, x: torch.Tensor) -> DtypePlan:
         return plan_projection_dtypes(
