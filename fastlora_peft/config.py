@@ -31,7 +31,7 @@ class FastLoraConfig(LoraConfig):
         metadata={
             "help": (
                 "Raise instead of falling back to PEFT's LoRA forward. By default a module that cannot "
-                "take the fused path (DoRA, lora_bias, several active adapters, adapter_names batches, "
+                "take the fused path (DoRA, lora_bias, adapter_names batches, "
                 "an unsupported module type, ...) runs PEFT's forward, warns once per reason and is "
                 "listed in `model.fastlora_report()`; with `fused_only=True` any such module is an error."
             )
