@@ -101,10 +101,16 @@ def _trace(model: nn.Module, parents: dict[str, nn.Module], layers: list[nn.Modu
     return trace
 
 
-def _mlp_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optional[str]:
-    """The activation that maps (gate, up) to down's input, identified exactly where possible."""
+def _gating_error(activation: str, gate_out, up_out, down_in) -> float:
+    """How far down's traced input is from act(gate) * up (relative, in float64)."""
+    return _rel_err(down_in, _ACTIVATIONS[activation](gate_out.double()) * up_out.double())
+
+
+def _candidate_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optional[str]:
+    """The parent's activation, identified exactly by probing its `act_fn` where it has one (None if
+    that is neither SiLU nor tanh-GELU), else the one that best explains the traced data."""
     act_fn = getattr(parent, "act_fn", None)
-    if isinstance(act_fn, nn.Module) or callable(act_fn):
+    if callable(act_fn):
         probe = torch.linspace(-8, 8, 257, dtype=torch.float64)
         try:
             applied = act_fn(probe)
@@ -113,48 +119,35 @@ def _mlp_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optional[st
         if applied is not None:
             matches = [name for name, fn in _ACTIVATIONS.items() if _rel_err(applied, fn(probe)) < 1e-7]
             return matches[0] if matches else None
-    expected_dtype = down_in.dtype
-    errors = {
-        name: _rel_err(down_in, fn(gate_out.double()) * up_out.double()) for name, fn in _ACTIVATIONS.items()
-    }
-    name = min(errors, key=errors.get)
-    return name if errors[name] < _tolerance(expected_dtype) else None
+    return min(_ACTIVATIONS, key=lambda name: _gating_error(name, gate_out, up_out, down_in))
 
 
 def _detect_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trace) -> Optional[GatedMlpGroup]:
+    """Three members: two read one tensor (gate, up), the third (down) reads act(gate) * up, and the
+    parent returns down's output."""
     if len(members) != 3:
         return None
     _, _, parent_output = trace.parent_calls[parent]
-    names = list(members)
-    for down_name in names:
-        down = members[down_name]
-        others = [n for n in names if n != down_name]
-        first, second = (members[n] for n in others)
-        if trace.layer_io[first][0] is not trace.layer_io[second][0]:
+    for down_name, down in members.items():
+        (first_name, first), (second_name, second) = [(n, m) for n, m in members.items() if n != down_name]
+        first_in, first_out = trace.layer_io[first]
+        second_in, second_out = trace.layer_io[second]
+        down_in, down_out = trace.layer_io[down]
+        if first_in is not second_in or _first_tensor(parent_output) is not down_out:
             continue
-        if _first_tensor(parent_output) is not trace.layer_io[down][1]:
+        if not first_out.shape == second_out.shape == down_in.shape:
             continue
-        if not (
-            trace.layer_io[first][1].shape == trace.layer_io[second][1].shape == trace.layer_io[down][0].shape
+        for (gate_name, gate, gate_out), (up_name, up, up_out) in (
+            ((first_name, first, first_out), (second_name, second, second_out)),
+            ((second_name, second, second_out), (first_name, first, first_out)),
         ):
-            continue
-        for gate_name, up_name in (others, others[::-1]):
-            gate, up = members[gate_name], members[up_name]
-            activation = _mlp_activation(
-                parent, trace.layer_io[gate][1], trace.layer_io[up][1], trace.layer_io[down][0]
-            )
-            data_error = (
-                _rel_err(
-                    trace.layer_io[down][0],
-                    _ACTIVATIONS[activation](trace.layer_io[gate][1].double())
-                    * trace.layer_io[up][1].double(),
-                )
-                if activation
-                else math.inf
-            )
-            if activation and data_error < _tolerance(trace.layer_io[down][0].dtype):
+            activation = _candidate_activation(parent, gate_out, up_out, down_in)
+            if activation and _gating_error(activation, gate_out, up_out, down_in) < _tolerance(
+                down_in.dtype
+            ):
+                members_in_order = [gate, up, down]
                 return GatedMlpGroup(
-                    parent_name, parent, [gate, up, down], [gate_name, up_name, down_name], activation
+                    parent_name, parent, members_in_order, [gate_name, up_name, down_name], activation
                 )
     return None
 
