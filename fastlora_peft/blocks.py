@@ -140,13 +140,16 @@ class SharedInputGroup(BlockGroup):
 
 
 class GatedMlpGroup(BlockGroup):
-    """`down(act(gate(x)) * up(x))` with act SiLU (SwiGLU) or tanh-GELU (GeGLU) as one fused call."""
+    """`down(act(gate(x)) * up(x))` with act SiLU (SwiGLU) or tanh-GELU (GeGLU) as one fused call.
+
+    Members: (gate, up, down), or (gate_up, down) where gate and up are the halves of one projection.
+    """
 
     kind = "gated_mlp"
 
     def __init__(self, parent_name, parent, members, member_names, activation: str):
         super().__init__(parent_name, parent, members, member_names)
-        self.activation = activation  # members are (gate, up, down)
+        self.activation = activation
 
     def describe(self) -> str:
         return f"{self.kind}({self.activation}):{self.parent_name}"
@@ -159,8 +162,8 @@ class GatedMlpGroup(BlockGroup):
             reason = "a member has forward pre-hooks (e.g. an adapter_names batch)"
         plan = self.plan(x) if reason is None else None
         if plan is not None:  # down reads h, which has the gate/up output dtype: it must plan the same
-            hidden_probe = x.new_empty((0, self.members[2].in_features), dtype=plan.out_dtype)
-            if self.members[2].dtype_plan(hidden_probe) != plan:
+            hidden_probe = x.new_empty((0, self.members[-1].in_features), dtype=plan.out_dtype)
+            if self.members[-1].dtype_plan(hidden_probe) != plan:
                 plan = None
         if plan is None:
             self.unfused_calls[reason or "members' dtype plans differ"] += 1

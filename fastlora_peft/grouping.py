@@ -109,7 +109,7 @@ def _gating_error(activation: str, gate_out, up_out, down_in) -> float:
 def _candidate_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optional[str]:
     """The parent's activation, identified exactly by probing its `act_fn` where it has one (None if
     that is neither SiLU nor tanh-GELU), else the one that best explains the traced data."""
-    act_fn = getattr(parent, "act_fn", None)
+    act_fn = getattr(parent, "act_fn", None) or getattr(parent, "activation_fn", None)
     if callable(act_fn):
         probe = torch.linspace(-8, 8, 257, dtype=torch.float64)
         try:
@@ -124,7 +124,9 @@ def _candidate_activation(parent: nn.Module, gate_out, up_out, down_in) -> Optio
 
 def _detect_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trace) -> Optional[GatedMlpGroup]:
     """Three members: two read one tensor (gate, up), the third (down) reads act(gate) * up, and the
-    parent returns down's output."""
+    parent returns down's output. Or two: gate_up, whose output halves are gate and up, and down."""
+    if len(members) == 2:
+        return _detect_split_mlp(parent_name, parent, members, trace)
     if len(members) != 3:
         return None
     _, _, parent_output = trace.parent_calls[parent]
@@ -149,6 +151,23 @@ def _detect_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trac
                 return GatedMlpGroup(
                     parent_name, parent, members_in_order, [gate_name, up_name, down_name], activation
                 )
+    return None
+
+
+def _detect_split_mlp(parent_name, parent, members: dict[str, nn.Module], trace: _Trace):
+    _, _, parent_output = trace.parent_calls[parent]
+    for down_name, down in members.items():
+        ((gate_up_name, gate_up),) = [(n, m) for n, m in members.items() if n != down_name]
+        gate_up_out = trace.layer_io[gate_up][1]
+        down_in, down_out = trace.layer_io[down]
+        if _first_tensor(parent_output) is not down_out or gate_up_out.shape[-1] != 2 * down_in.shape[-1]:
+            continue
+        gate_out, up_out = gate_up_out.chunk(2, dim=-1)
+        if gate_out.shape != down_in.shape:
+            continue
+        activation = _candidate_activation(parent, gate_out, up_out, down_in)
+        if activation and _gating_error(activation, gate_out, up_out, down_in) < _tolerance(down_in.dtype):
+            return GatedMlpGroup(parent_name, parent, [gate_up, down], [gate_up_name, down_name], activation)
     return None
 
 

@@ -60,9 +60,9 @@ FAMILIES = {
         lambda: _build("Gemma2Config", "Gemma2ForCausalLM", **SMALL, **HEADS, head_dim=12, sliding_window=16),
         {"shared_input": 1, "gated_mlp(gelu_tanh)": 1},
     ),
-    "phi3-fused-projections": (
+    "phi3-fused-projections": (  # qkv_proj is one projection; gate_up_proj's halves feed the MLP
         lambda: _build("Phi3Config", "Phi3ForCausalLM", **SMALL, **HEADS, pad_token_id=0),
-        {},
+        {"gated_mlp(silu)": 1},
     ),
 }
 
