@@ -140,6 +140,20 @@ def autograd_node_names(*roots: torch.Tensor) -> list[str]:
     return names
 
 
+def assert_lora_grads_match(fast: nn.Module, peft: nn.Module, tol: float) -> None:
+    """Every adapter gradient of `fast` within `tol` of PEFT's (both None, or zero, where PEFT has none)."""
+    peft_params = dict(peft.named_parameters())
+    for name, param in fast.named_parameters():
+        if "lora_" not in name:
+            continue
+        expected = peft_params[name].grad
+        if expected is None:  # a projection that never reached the loss
+            assert param.grad is None or torch.count_nonzero(param.grad) == 0, name
+        else:
+            assert param.grad is not None, name
+            assert rel_err(param.grad, expected) <= tol, f"{name}: {rel_err(param.grad, expected):.2e}"
+
+
 def lora_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: param.grad

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import (
     FUSED_BACKWARD_NODE,
+    assert_lora_grads_match,
     autograd_node_names,
     copy_lora,
     count_lora_sublayer_calls,
@@ -185,11 +186,7 @@ def test_second_adapter_and_several_active_adapters_are_fused():
     assert rel_err(out, expected) < 1e-5
     out.square().mean().backward()
     expected.square().mean().backward()
-    peft_params = dict(peft.named_parameters())
-    for name, param in fast.named_parameters():
-        if "lora_" in name:
-            assert param.grad is not None, name
-            assert rel_err(param.grad, peft_params[name].grad) < 1e-4, name
+    assert_lora_grads_match(fast, peft, 1e-4)
     assert all(route.path == "fused" for route in fast.fastlora_report())
 
 
@@ -251,10 +248,7 @@ def test_dropout_is_fused_with_peft_masks():
     assert rel_err(out, expected) < 1e-5
     out.square().mean().backward()
     expected.square().mean().backward()
-    peft_params = dict(peft.named_parameters())
-    for name, param in fast.named_parameters():
-        if "lora_" in name:
-            assert rel_err(param.grad, peft_params[name].grad) < 1e-4, name
+    assert_lora_grads_match(fast, peft, 1e-4)
     assert all(route.path == "fused" for route in fast.fastlora_report())
 
 
