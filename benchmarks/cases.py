@@ -24,6 +24,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from fastlora_peft import FastLoraConfig
+from fastlora_peft.blocks import SharedInputGroup
 
 from .harness import Step, rel_err
 
@@ -178,21 +179,16 @@ def inside_parent_forward(parent: nn.Module) -> Iterator[None]:
     fastlora_peft's q/k/v group takes over the attention module's forward and serves its members only
     while that forward runs: the first projection call computes all three in one fused call, the next
     two take theirs. The QKV case calls the projections without the rest of attention (rotary, SDPA,
-    o_proj), so it opens the window the group's own `__call__` opens. That uses the group's private
-    depth counter (fastlora_peft/blocks.py, SharedInputGroup); without a group this does nothing. The
-    rows' custom_fn_nodes tell which path ran: 1 for the grouped q/k/v, 3 for three projections.
+    o_proj), so it opens the group's `scope()`, as the group's own `__call__` does; without a group
+    this does nothing. The rows' custom_fn_nodes tell which path ran: 1 for the grouped q/k/v, 3 for
+    three projections.
     """
     group = parent.__dict__.get("forward")  # the group installs itself as an instance attribute
-    if group is None or not hasattr(group, "_depth") or not hasattr(group, "_clear"):
+    if not isinstance(group, SharedInputGroup):
         yield
         return
-    group._depth += 1
-    try:
+    with group.scope():
         yield
-    finally:
-        group._depth -= 1
-        if group._depth == 0:  # as the group does when the parent's forward returns: nothing outlives it
-            group._clear()
 
 
 def block_params(layer: nn.Module, block: str) -> list[nn.Parameter]:

@@ -10,7 +10,8 @@ fallback is still each member's fused single-projection path unless the member i
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -100,9 +101,19 @@ class SharedInputGroup(BlockGroup):
         self._pending_version = -1
 
     def __call__(self, *args, **kwargs):
+        with self.scope():
+            return self.original_forward(*args, **kwargs)
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """While open, member calls are served by the group, as inside the parent's forward.
+
+        The parent's forward opens it; a caller that drives the members itself (a benchmark timing
+        q/k/v without the rest of attention) may open it too. Pending outputs end with it.
+        """
         self._depth += 1
         try:
-            return self.original_forward(*args, **kwargs)
+            yield
         finally:
             self._depth -= 1
             if self._depth == 0:  # nothing outlives the parent's forward
