@@ -100,13 +100,15 @@ class FastLoraModel(LoraModel):
             reason = _static_reason(module, adapter_name)
             if reason is not None:
                 reason_counts[reason] += 1
+                # The layer will not warn again for this reason at run time; others it will.
+                module.__dict__.setdefault("fastlora_announced_reasons", set()).add(reason)
         for reason, count in reason_counts.items():
             announce_fallback(reason, count, fused_only=fused_only)
 
     def fastlora_report(self) -> list[ModuleRoute]:
         """Every adapted module with the path its active adapter takes and why."""
         routes = []
-        group_of = {id(m): g.describe() for g in self.fastlora_groups() for m in g.members}
+        group_of = {id(m): _describe_group(g) for g in self.fastlora_groups() for m in g.members}
         not_grouped = self.__dict__.get("_fastlora_not_grouped", {})
         for name, module in self.model.named_modules():
             if not isinstance(module, BaseTunerLayer) or not hasattr(module, "lora_A"):
@@ -143,3 +145,11 @@ def _static_reason(module: nn.Module, adapter_name: str) -> Optional[str]:
         return module.static_blocker(adapter_name)
     base_name = type(module.get_base_layer()).__name__
     return f"no fused layer for {base_name} ({type(module).__name__})"
+
+
+def _describe_group(group: BlockGroup) -> str:
+    """The group, and the calls (if any) where its members ran one by one instead, with why."""
+    if not group.unfused_calls:
+        return group.describe()
+    why = "; ".join(f"{reason}: {count} call(s)" for reason, count in group.unfused_calls.items())
+    return f"{group.describe()} (members ran one by one: {why})"

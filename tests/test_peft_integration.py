@@ -354,3 +354,22 @@ def test_nan_stays_in_its_token(one_layer):
     out = one_layer(x)
     assert torch.isnan(out[2]).all()
     assert torch.isfinite(out[[0, 1, 3, 4]]).all()
+
+
+def test_reason_arising_after_injection_is_announced():
+    """A base weight unfrozen after get_peft_model was not there to announce at injection: the first
+    call that falls back for it warns."""
+    fast, _ = fast_and_peft()
+    fast.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight.requires_grad_(True)
+    with pytest.warns(FastLoraFallbackWarning, match="trainable base weight"):
+        logits(fast)
+    report = {route.name: route for route in fast.fastlora_report()}
+    assert report["model.layers.0.mlp.down_proj"].path == "peft"
+
+
+def test_report_shows_group_calls_that_ran_member_by_member():
+    fast, _ = fast_and_peft({"lora_dropout": 0.1})
+    fast.train()
+    logits(fast)
+    report = {route.name: route for route in fast.fastlora_report()}
+    assert "members ran one by one: lora_dropout" in report["model.layers.0.mlp.gate_proj"].group

@@ -115,10 +115,9 @@ class FusedProjectionMixin:
             return super().forward(x, *args, **kwargs)  # the base layer alone, as PEFT runs it
         reason = self.fused_blocker(kwargs)
         if reason is not None:
-            # Config-level reasons were announced at injection; run-time ones are announced here.
-            already_announced = reason in {
-                self.static_blocker(name) for name in self.present_active_adapters()
-            }
+            # Reasons announced at injection are only counted here; any other (a run-time one, or a
+            # config-level one that arose later, e.g. a base weight unfrozen after injection) is announced.
+            already_announced = reason in self.__dict__.get("fastlora_announced_reasons", ())
             self.record_fallback(reason, announce=not already_announced)
             return super().forward(x, *args, **kwargs)
         self.check_input(x)
