@@ -61,6 +61,27 @@ def assert_fused(output):
     assert FUSED_BACKWARD_NODE in autograd_node_names(output), "the fused Function did not run"
 
 
+def assert_fused_and_matches_peft(fast, peft, ids, seed=None):
+    """No fallback warning, no PEFT sub-layer call, the fused Function ran, logits and every adapter
+    gradient as PEFT's; `seed` reseeds before each model so dropout draws the same masks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FastLoraFallbackWarning)
+        with count_lora_sublayer_calls(fast) as calls:
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = logits(fast, ids)
+    if seed is not None:
+        torch.manual_seed(seed)
+    expected = logits(peft, ids)
+    assert not calls
+    assert_fused(out)
+    assert rel_err(out, expected) < 1e-5
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    assert_lora_grads_match(fast, peft, 1e-4)
+    assert all(route.path == "fused" for route in fast.fastlora_report())
+
+
 # -- registration, save and load --------------------------------------------------------------------
 
 
@@ -176,18 +197,7 @@ def test_second_adapter_and_several_active_adapters_are_fused():
     for model in (fast, peft):
         for name, param in model.named_parameters():
             param.requires_grad_("lora_" in name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FastLoraFallbackWarning)
-        with count_lora_sublayer_calls(fast) as calls:
-            out = logits(fast, ids)
-    expected = logits(peft, ids)
-    assert not calls
-    assert_fused(out)
-    assert rel_err(out, expected) < 1e-5
-    out.square().mean().backward()
-    expected.square().mean().backward()
-    assert_lora_grads_match(fast, peft, 1e-4)
-    assert all(route.path == "fused" for route in fast.fastlora_report())
+    assert_fused_and_matches_peft(fast, peft, ids)
 
 
 def test_adapter_names_batch_falls_back_announced():
@@ -235,21 +245,7 @@ def test_dropout_is_fused_with_peft_masks():
     fast, peft = fast_and_peft({"lora_dropout": 0.3})
     fast.train()
     peft.train()
-    ids = input_ids()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FastLoraFallbackWarning)  # no fallback, so no warning
-        with count_lora_sublayer_calls(fast) as calls:
-            torch.manual_seed(11)
-            out = logits(fast, ids)
-    torch.manual_seed(11)
-    expected = logits(peft, ids)
-    assert not calls
-    assert_fused(out)
-    assert rel_err(out, expected) < 1e-5
-    out.square().mean().backward()
-    expected.square().mean().backward()
-    assert_lora_grads_match(fast, peft, 1e-4)
-    assert all(route.path == "fused" for route in fast.fastlora_report())
+    assert_fused_and_matches_peft(fast, peft, input_ids(), seed=11)
 
 
 def test_unsupported_module_type_is_announced():

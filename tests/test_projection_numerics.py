@@ -200,12 +200,7 @@ def test_fp32_activations_on_16bit_dense_weight():
     assert rel_err(results["grad_b"], exact["grad_b"]) < ERROR_FLOOR
 
 
-DROPOUT_LAYOUTS = [
-    layout for layout in LAYOUTS if layout.id in ("fp32", "bf16-fp32adapters", "nf4-fp32adapters")
-]
-
-
-@pytest.mark.parametrize("layout", DROPOUT_LAYOUTS, ids=[layout.id for layout in DROPOUT_LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_projection_with_dropout_matches_peft(layout: Layout):
     """Training with lora_dropout: PEFT's dropout module draws the mask, the fused Function does the rest."""
     in_features, out_features = shapes_for(layout)
