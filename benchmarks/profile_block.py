@@ -1,55 +1,70 @@
-"""Profiles one fused o_proj and one QKV forward+backward at Llama-3.1-8B shapes on CUDA.
+"""Profiles one block of the benchmark's Llama-3.1-8B layer on CUDA: kernels by CUDA time, host time.
 
-python -m benchmarks.profile_block      (prints the kernels by CUDA time, and host time per step)
+python -m benchmarks.profile_block --block o --adapters fp32 [--provider fastlora] [--base bf16] [--cprofile]
+
+The block, inputs and adapters are the blocks suite's (`benchmarks.cases`), so the numbers explain
+its rows: host time per step against wall time per step tells whether the block is host-bound.
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import pstats
 import time
 
 import torch
-from peft import get_peft_model
-from torch import nn
 
-from fastlora_peft import FastLoraConfig
-
-
-class OneProjection(nn.Module):
-    def __init__(self, proj):
-        super().__init__()
-        self.proj = proj
-
-    def forward(self, x):
-        return self.proj(x)
+from . import cases
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    model = OneProjection(nn.Linear(4096, 4096, bias=False)).to("cuda", torch.bfloat16).requires_grad_(False)
-    model = get_peft_model(model, FastLoraConfig(r=16, lora_alpha=32, target_modules=["proj"]))
-    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block", default="o", choices=cases.BLOCKS)
+    parser.add_argument("--provider", default="fastlora", choices=cases.PROVIDERS)
+    parser.add_argument("--base", default="bf16", choices=("bf16", "nf4"))
+    parser.add_argument("--adapters", default="fp32", choices=tuple(cases.ADAPTER_DTYPES))
+    parser.add_argument(
+        "--tokens", type=int, default=cases.LLAMA_8B.tokens, help="batch 1 of this many tokens"
+    )
+    parser.add_argument("--cprofile", action="store_true", help="also print Python functions by own time")
+    args = parser.parse_args()
 
-    def step():
-        model(x).backward(grad)
+    geo, device = cases.LLAMA_8B, torch.device("cuda")
+    model = cases.build_llama(geo, layers=1, vocab=256, base=args.base, device=device)
+    model = cases.adapt(model, args.provider, args.adapters, geo.rank, geo.alpha)
+    layer = cases.decoder_layer(model)
+    x, grad_outs = cases.block_inputs(geo, args.block, 1, args.tokens, device)
+    step = cases.block_step(layer, args.block, x, grad_outs)
+
+    def run() -> None:
+        step.reset()
+        step.backward(step.forward())
 
     for _ in range(5):
-        step()
+        run()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(20):
-        step()
+        run()
     host = (time.perf_counter() - start) / 20
     torch.cuda.synchronize()
-    total = (time.perf_counter() - start) / 20
-    print(f"host time per step {host * 1e3:.3f} ms, wall per step {total * 1e3:.3f} ms")
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
+    wall = (time.perf_counter() - start) / 20
+    print(f"{args.block} {args.base} {args.adapters} {args.provider} {args.tokens} tokens: "
+          f"host {host * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step")  # fmt: skip
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            step()
+            run()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            run()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

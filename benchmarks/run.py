@@ -10,6 +10,7 @@ leaves the suites it finished. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -40,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--e2e-repeats", type=int, help="timed steps per round of the whole model (default 10)"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip matplotlib")
+    parser.add_argument("--redraw", type=Path, help="only draw the plots of this results.json into --out")
     return parser.parse_args(argv)
 
 
@@ -89,8 +91,7 @@ def save(rows: list[Row], meta: dict[str, Any], out_dir: Path, plots: bool) -> s
         from .plots import draw_all
 
         env = meta["environment"]
-        title = f"{env.get('gpu', {}).get('name', env['device'])}, torch {env['versions']['torch']}"
-        meta["plots"] = [path.name for path in draw_all(rows, out_dir, title)]
+        meta["plots"] = [path.name for path in draw_all(rows, out_dir, _plot_title(env))]
     write_results(out_dir, rows, meta)
     (out_dir / "results.md").write_text(markdown_report(rows, meta))
     text = format_table(rows) + "\n\n" + format_targets(meta["targets"], meta["settings"]["smoke"])
@@ -98,8 +99,26 @@ def save(rows: list[Row], meta: dict[str, Any], out_dir: Path, plots: bool) -> s
     return text
 
 
+def _plot_title(env: dict[str, Any]) -> str:
+    return f"{env.get('gpu', {}).get('name', env['device'])}, torch {env['versions']['torch']}"
+
+
+def redraw(results_json: Path, out_dir: Path) -> int:
+    """Plots from a results.json written earlier (e.g. on the GPU machine, whose files come back few)."""
+    from .plots import draw_all
+
+    data = json.loads(results_json.read_text())
+    rows = [Row(**record) for record in data["rows"]]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in draw_all(rows, out_dir, _plot_title(data["environment"])):
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.redraw is not None:
+        return redraw(args.redraw, args.out)
     # PEFT calls a transformers property deprecated in v5 once per model; it says nothing about the run.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     settings = build_settings(args)

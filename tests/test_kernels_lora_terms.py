@@ -164,13 +164,24 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
     left = _make(M, R, FP32, "contig")
     tol = TOLERANCE[FP32]
 
-    got = lora_terms._lora_shrink_triton(x=x, weight=lora_a, block_m=16, block_k=16, block_r=16)
-    assert_rel_close(got, x.double() @ lora_a.double().T, tol)
+    for split in (1, 2, 3):  # K = 70 in 3 splits of 32 columns: the last one is partial
+        got = lora_terms._lora_shrink_triton(
+            x=x, weight=lora_a, split=split, block_m=16, block_k=16, block_r=16
+        )
+        assert_rel_close(got, x.double() @ lora_a.double().T, tol)
 
     got = lora_terms._lora_expand_add_triton(
         base=base, left=left, right=lora_b, scale=SCALE, out_dtype=FP32, block_m=16, block_n=16, block_r=16
     )
     assert_rel_close(got, base.double() + SCALE * (left.double() @ lora_b.double().T), tol)
+    # One rank tile (the left tile loaded once per program), several column tiles per program, in place.
+    in_place, narrow_left, narrow_b = base.contiguous(), left[:, :11], lora_b[:, :11]
+    truth = in_place.double() + SCALE * (narrow_left.double() @ narrow_b.double().T)
+    lora_terms._lora_expand_add_triton(
+        base=in_place, left=narrow_left, right=narrow_b, scale=SCALE, out_dtype=x_dtype, out=in_place,
+        block_m=16, block_n=16,
+    )  # fmt: skip
+    assert_rel_close(in_place, truth, TOLERANCE[x_dtype])
 
     truth = SCALE * (left.double().T @ x.double())
     for split in (1, 2, 3):  # 3 splits of 16 rows: the last one is partial

@@ -10,17 +10,26 @@ Gate and up are either two projections (Llama, Gemma, ...) or the two halves of 
 ([tokens, I] per block is the largest activation of a transformer layer). Backward overwrites the
 saved gate/up with their gradients, so a second backward through the same graph
 (`retain_graph=True`) stops with a clear error instead of computing garbage.
+
+The down projection runs in chunks of token rows, so h (forward) and h and dh (backward) exist for
+one chunk at a time. At Llama-3.1-8B shapes (8192 tokens, I = 14336, bf16) a whole h is 224 MiB and
+the peak was gate + up + h + out = 224 + 224 + 224 + 64 = 742 MiB (852 with an NF4 down weight
+dequantized; measured on an H200); in chunks of at most 64 MiB (four there), each written straight
+into its rows of the output, it is about 224 + 224 + 56 + 64 = 568 MiB, 680 for NF4. 2048 tokens
+(56 MiB of h) stay one chunk, i.e. the same launches as unchunked (see `_CHUNK_BYTES`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 
 from ..dtypes import DtypePlan
 from ..kernels.gated_act import gated_act_backward_, gated_act_forward
-from .frozen_base import FrozenBase, LoraWeights
+from ..kernels.lora_terms import lora_weight_grad
+from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .shared_input import (
     hoisted_grad_xa,
     shared_input_backward,
@@ -33,6 +42,25 @@ from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_
 # apply(x, plan, activation, layout, *tensors)
 _FIRST_TENSOR_ARG = 4
 
+# The most bytes of h per chunk. 2048 x 14336 bf16 (56 MiB) stays one chunk: the launches of the
+# unchunked block, which matter where launches dominate. At 8192 tokens, four chunks of 2048 rows:
+# an NF4 block's forward peaks near gate + up + dequantized down weight + h chunk + out = 224 + 224
+# + 112 + 56 + 64 = 680 MiB, the chunks' outputs written straight into `out` (a copy of each would
+# add 16). Smaller chunks cost time: a chunk's matmuls and LoRA terms are launched once per chunk.
+_CHUNK_BYTES = 64 * 2**20
+
+
+def token_chunks(
+    tokens: int, intermediate: int, element_size: int, chunk_bytes: int = _CHUNK_BYTES
+) -> list[slice]:
+    """Row ranges covering `[0, tokens)` once, in order, so each `[rows, intermediate]` chunk of h
+    holds at most about `chunk_bytes`: ceil(bytes of all h / chunk_bytes) ranges (at least one, at
+    most one per row) whose sizes differ by at most one row."""
+    count = math.ceil(tokens * intermediate * element_size / chunk_bytes)
+    count = min(max(count, 1), max(tokens, 1))
+    bounds = [index * tokens // count for index in range(count + 1)]
+    return [slice(start, end) for start, end in zip(bounds, bounds[1:])]
+
 
 def _gate_and_up(pre_activations: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up): two projections' outputs, or the halves of one `[tokens, 2I]` gate_up output (views)."""
@@ -41,6 +69,74 @@ def _gate_and_up(pre_activations: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
     (gate_up,) = pre_activations
     half = gate_up.shape[1] // 2
     return gate_up[:, :half], gate_up[:, half:]
+
+
+def _dense_base(base: FrozenBase, plan: DtypePlan) -> FrozenBase:
+    """The base with its weight materialized once in the compute dtype: every chunk reads it, and a
+    4-bit weight (or one cast under autocast) would otherwise be dequantized (cast) once per chunk."""
+    return FrozenBase(materialize_weight(base, plan.compute_dtype), base.bias, None)
+
+
+def _down_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    down_base: FrozenBase,
+    down_lora: LoraWeights,
+    plan: DtypePlan,
+    chunks: Sequence[slice],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[tokens, hidden]` of `plan.out_dtype`, `h @ Ad.T` fp32 `[tokens, r]`), with h made one
+    chunk of rows at a time, each chunk's output written into its rows of `out`."""
+    if len(chunks) == 1:
+        hidden = gated_act_forward(gate, up, activation)
+        (out,), ha_down = shared_input_forward(hidden, [down_base], [down_lora], plan)
+        return out, ha_down
+    tokens, hidden_features = gate.shape[0], base_out_features(down_base)
+    out = gate.new_empty((tokens, hidden_features), dtype=plan.out_dtype)
+    ha_down = None
+    for rows in chunks:
+        hidden = gated_act_forward(gate[rows], up[rows], activation)
+        _, ha_rows = shared_input_forward(hidden, [down_base], [down_lora], plan, out=[out[rows]])
+        del hidden
+        if ha_down is None:  # fp32, or float64 under gradcheck: the LoRA kernels' accumulation dtype
+            ha_down = ha_rows.new_empty((tokens, ha_rows.shape[1]))
+        ha_down[rows].copy_(ha_rows)
+    return out, ha_down
+
+
+def _down_backward_(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    grad_2d: torch.Tensor,
+    grad_ha: torch.Tensor,
+    down_scale: float,
+    down_base: FrozenBase,
+    down_lora: LoraWeights,
+    plan: DtypePlan,
+    needs_a: bool,
+    chunks: Sequence[slice],
+) -> Optional[torch.Tensor]:
+    """Per chunk of rows: h's share of dA_down, then dh turned into the gate/up gradients in the
+    saved gate/up buffers themselves. Returns dA_down (fp32 `[r, I]`), or None when not needed.
+
+    A chunk's h is freed before its dh is made and it reads its rows of gate/up before they are
+    overwritten, so besides gate and up at most one `[chunk, I]` tensor is alive.
+    """
+    grad_a = None
+    for rows in chunks:
+        if needs_a:
+            hidden = gated_act_forward(gate[rows], up[rows], activation)
+            grad_a_rows = lora_weight_grad(grad_ha[rows], hidden, down_scale)
+            del hidden
+            grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
+        grad_hidden = shared_input_grad_x(
+            [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype
+        )
+        gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)  # these rows now hold grads
+        del grad_hidden
+    return grad_a
 
 
 class LoraGatedMlpFunction(torch.autograd.Function):
@@ -55,15 +151,20 @@ class LoraGatedMlpFunction(torch.autograd.Function):
     # Backward writes the gate/up gradients into the saved gate/up buffers (two [tokens, I] tensors
     # less at the peak). False keeps them, for a second backward through the same graph.
     overwrite_saved_preactivations = True
+    # The most bytes of h per chunk of the down projection, read at forward (backward reuses the
+    # forward's chunks). Tests lower it to run several chunks on tiny shapes.
+    chunk_bytes = _CHUNK_BYTES
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: DtypePlan, activation: str, layout, *tensors: torch.Tensor):
         bases, loras = unflatten_tensors(layout, tensors)
         x_2d = x.reshape(-1, x.shape[-1])
         pre_activations, xa_in = shared_input_forward(x_2d, bases[:-1], loras[:-1], plan)
-        hidden = gated_act_forward(*_gate_and_up(pre_activations), activation)
-        (out,), ha_down = shared_input_forward(hidden, bases[-1:], loras[-1:], plan)
-        ctx.plan, ctx.activation, ctx.layout = plan, activation, layout
+        gate, up = _gate_and_up(pre_activations)
+        chunks = token_chunks(*gate.shape, gate.element_size(), LoraGatedMlpFunction.chunk_bytes)
+        down_base = _dense_base(bases[-1], plan)
+        out, ha_down = _down_forward(gate, up, activation, down_base, loras[-1], plan, chunks)
+        ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
         ctx.overwrite = LoraGatedMlpFunction.overwrite_saved_preactivations
         ctx.pre_activation_count = len(pre_activations)
         ctx.save_for_backward(x, xa_in, ha_down, *pre_activations, *tensors)
@@ -92,28 +193,27 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])
         grad_2d = grad_out.reshape(x_2d.shape[0], grad_out.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            # Down projection: its weight gradients need h, its input gradient does not, so h (recomputed,
-            # not saved) is freed before dh is made. Then dh becomes the gate/up gradients in the
-            # saved gate/up buffers themselves: the backward holds at most three [tokens, I] tensors.
-            down_bases, down_loras = bases[-1:], loras[-1:]
-            grad_ha, down_scale = hoisted_grad_xa([grad_2d], down_loras)
-            hidden = gated_act_forward(gate, up, ctx.activation)
-            down_grad_loras, down_grad_bases = shared_input_weight_grads(
-                hidden, ha_down, [grad_2d], grad_ha, down_scale, down_bases, down_loras,
-                needs_loras[-1:], needs_bases[-1:],
+            # Down projection: dB and the bias grad need no h, so they are made whole (x_2d=None: h is
+            # read only for dA); dA_down and dh (which becomes the gate/up gradients) are made chunk
+            # by chunk, see `_down_backward_`.
+            down_lora, need_down = loras[-1], needs_loras[-1]
+            grad_ha, down_scale = hoisted_grad_xa([grad_2d], [down_lora])
+            (down_grad_lora,), down_grad_bases = shared_input_weight_grads(
+                None, ha_down, [grad_2d], grad_ha, down_scale, bases[-1:], [down_lora],
+                [need_down._replace(lora_a=False)], needs_bases[-1:],
             )  # fmt: skip
-            del hidden
-            grad_hidden = shared_input_grad_x(
-                [grad_2d], grad_ha, down_scale, down_bases, down_loras, plan, gate.dtype
-            )
-            gated_act_backward_(grad_hidden, gate, up, ctx.activation)  # the buffers now hold their grads
-            del grad_hidden
+            grad_a_down = _down_backward_(
+                gate, up, ctx.activation, grad_2d, grad_ha, down_scale, _dense_base(bases[-1], plan),
+                down_lora, plan, need_down.lora_a, ctx.chunks,
+            )  # fmt: skip
+            if grad_a_down is not None:
+                down_grad_lora = down_grad_lora._replace(lora_a=grad_a_down.to(down_lora.lora_a.dtype))
             gate_up = shared_input_backward(
                 x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, ctx.needs_input_grad[0],
                 needs_loras[:-1], needs_bases[:-1],
             )  # fmt: skip
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
-        grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + down_grad_loras)
+        grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
         return (grad_x, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))
 
 

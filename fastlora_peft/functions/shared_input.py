@@ -61,20 +61,40 @@ def shared_input_forward(
     loras: Sequence[LoraWeights],
     plan: DtypePlan,
     x_lora_2d: Optional[torch.Tensor] = None,
+    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward.
 
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
+    out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
+    of a larger output), or None for new ones.
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_lora_a(loras))
     outputs = []
-    for base, lora, ranks in zip(bases, loras, rank_slices(loras)):
+    for index, (base, lora, ranks) in enumerate(zip(bases, loras, rank_slices(loras))):
         weight = materialize_weight(base, plan.compute_dtype)
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
-        base_out = F.linear(x_compute, weight, bias)
-        outputs.append(_add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype))
+        destination = None if out is None else out[index]
+        if destination is not None and destination.dtype == plan.compute_dtype:
+            # The base matmul writes its result where the output goes; the LoRA term is added there.
+            base_out = _linear_into(destination, x_compute, weight, bias)
+        else:
+            base_out = F.linear(x_compute, weight, bias)
+        del weight  # a dequantized 4-bit weight goes before the next one is made (one at the peak)
+        result = _add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
+        if destination is not None and result is not destination:
+            destination.copy_(result)
+            result = destination
+        outputs.append(result)
     return outputs, xa
+
+
+def _linear_into(destination, x, weight, bias) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` written into `destination` (the same cuBLAS call: mm, or addmm)."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=destination)
+    return torch.addmm(bias, x, weight.t(), out=destination)
 
 
 def _add_lora_term(base_out, left, right, scale, out_dtype) -> torch.Tensor:
@@ -128,6 +148,7 @@ def shared_input_grad_x(
             grad_x_base = grad_compute @ weight
         else:
             grad_x_base.addmm_(grad_compute, weight)
+        del weight, grad_compute  # as in the forward: one materialized weight at a time
     if not with_lora_term:
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
     return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_dtype)

@@ -49,6 +49,27 @@ def _dot_precision(*dtypes: torch.dtype) -> str:
     return "tf32" if torch.float32 not in dtypes else _FP32_DOT_PRECISION
 
 
+# How a kernel feeds tl.dot (a constexpr of the kernels that multiply an activation):
+# * _FP32_DOT: operands converted to fp32 in registers, DOT_PRECISION as above. The only mode the
+#   Triton interpreter runs (it computes bf16 as raw integer bits), and the mode whenever an operand
+#   is fp32: fp32 adapters need 3xTF32. (Splitting the fp32 tile into three bf16 parts for three
+#   native dots ran twice as fast on the H200 but missed fp32 accuracy there: dA 4.8e-6 relative
+#   error against PEFT's 5.1e-7 at o_proj size, with the small parts summed apart; tensor cores
+#   truncate as they accumulate. Not kept.)
+# * _NATIVE_DOT: both operands 16-bit of one dtype on a GPU, fed as loaded: no conversion, the
+#   16-bit tensor-core rate; the products are exact in the fp32 accumulator either way.
+_FP32_DOT, _NATIVE_DOT = 0, 1
+
+
+def _dot_mode(activation: torch.Tensor, other: torch.Tensor) -> int:
+    """How a kernel multiplies the large `activation` tile by the small `other` tile."""
+    if activation.device.type != "cuda":
+        return _FP32_DOT
+    if activation.dtype == other.dtype and activation.dtype in (torch.bfloat16, torch.float16):
+        return _NATIVE_DOT
+    return _FP32_DOT
+
+
 def _rank_block(rank: int, cap: int) -> int:
     """Rank tile: a power of two >= 16 (tl.dot's minimum) covering ``rank``, at most ``cap``."""
     return min(max(16, triton.next_power_of_2(rank)), cap)
@@ -68,31 +89,51 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def _dot_acc(a, b, acc, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b in fp32, by the dot modes above."""
+    if MODE == 1:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _lora_shrink_kernel(
     X_ptr, W_ptr, Out_ptr,
-    M, K, R,
-    stride_xm, stride_xk, stride_wr, stride_wk, stride_om, stride_or,
+    M, K, R, k_per_split,
+    stride_xm, stride_xk, stride_wr, stride_wk, stride_os, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):  # fmt: skip
-    """Out[M, R] = X[M, K] @ W[R, K]^T; one program per (BLOCK_M rows, BLOCK_R ranks), looping over K."""
+    """Out[s, M, R] = X[M, K_s] @ W[R, K_s]^T over split s's columns K_s = [s * k_per_split, ...).
+
+    One program per (BLOCK_M rows, BLOCK_R ranks, split), looping over its K range; with one split
+    Out is the result itself, else the caller sums the splits.
+    """
     pid_m = tl.program_id(0)
     pid_r = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_r = offs_r < R
-    x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = W_ptr + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wr  # W^T tile: [BLOCK_K, BLOCK_R]
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    w_ptrs = W_ptr + (k_start + offs_k)[:, None] * stride_wk + offs_r[None, :] * stride_wr  # W^T tile
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k + k0 < K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k + k0 < k_end
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc = _dot_acc(x, w, acc, DOT_MODE, DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    out_ptrs = Out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
+    out_ptrs = (
+        Out_ptr + pid_s * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
+    )
     tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
@@ -137,6 +178,7 @@ def _lora_weight_grad_kernel(
     M, R, K, scale, rows_per_split,
     stride_lm, stride_lr, stride_xm, stride_xk, stride_os, stride_or, stride_ok,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):  # fmt: skip
     """Out[s, R, K] = scale * Left[M_s, R]^T @ X[M_s, K] over split s's rows M_s = [s * rows_per_split, ...).
 
@@ -163,10 +205,10 @@ def _lora_weight_grad_kernel(
         rows = rows.to(tl.int64)
         # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
         x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
-        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
         left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x_t, left, acc, input_precision=DOT_PRECISION)
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        acc = _dot_acc(x_t, left, acc, DOT_MODE, DOT_PRECISION)
     out_ptrs = Out_ptr + pid_s * stride_os + offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
     tl.store(out_ptrs, scale * acc, mask=mask_k[:, None] & mask_r[None, :])
 
@@ -181,34 +223,51 @@ def _lora_shrink_triton(
     *,
     x: torch.Tensor,
     weight: torch.Tensor,
+    split: int | None = None,
     block_m: int | None = None,
-    block_k: int = 64,
+    block_k: int | None = None,
     block_r: int | None = None,
 ) -> torch.Tensor:
     M, K = x.shape
     R = weight.shape[0]
-    out = torch.empty((M, R), dtype=torch.float32, device=x.device)
-    if out.numel() == 0:
-        return out
-    # Timings on an H200, x [8192, 4096] bf16. 16-bit weights: 32-row tiles (twice the programs) beat 64
-    # (rank 16: 43 vs 46us; rank 64: 49 vs 55us) and do not care whether weight is lora_b.T. fp32 weights
-    # (tf32x3): 64 rows win (rank 64: 103 vs 117us) but only with weight's K dim contiguous (162us for
-    # lora_b.T), so such an adapter (R * K * 4 bytes, ~1 MB) is copied first.
+    if M == 0 or R == 0 or K == 0:
+        return torch.zeros((M, R), dtype=torch.float32, device=x.device)
+    # Timings on an H200, x [8192, 4096] bf16, rank 16 (benchmarks/tune_lora_terms.py): 16-bit weights
+    # fed to native dots with 32-row tiles, 128-wide K steps and 4 stages took 28us, against 45us for
+    # tf32 dots of 32 x 64 x 3 stages (K=14336: 70 against 115us). fp32 weights (tf32x3) were fastest
+    # with 64 x 64 (51us, 1.3 TB/s) and only with weight's K dim contiguous (162us for lora_b.T), so
+    # such an adapter (R * K * 4 bytes, ~1 MB) is copied first.
+    mode = _dot_mode(x, weight)
     if weight.dtype == torch.float32:
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    block_m = block_m or (64 if weight.dtype == torch.float32 else 32)
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
     block_r = block_r or _rank_block(R, cap=128)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(R, block_r))
+    if mode == _FP32_DOT and torch.float32 in (x.dtype, weight.dtype):
+        block_m, block_k = block_m or 64, block_k or 64
+    else:
+        block_m, block_k = block_m or 32, block_k or 128
+    row_blocks = triton.cdiv(M, block_m)
+    if split is None:
+        # Fewer row blocks than SMs (a few thousand tokens, a chunk of the MLP's down projection):
+        # each program would walk all of K alone, latency-bound. Split K so every SM gets about two
+        # programs, each still at least four K steps long; the fp32 partials are M * R * 4 bytes each.
+        sms = _num_sms(x.device)
+        split = 1 if row_blocks >= sms else min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(K, 4 * block_k))
+    k_per_split = triton.cdiv(triton.cdiv(K, max(split, 1)), block_k) * block_k
+    split = triton.cdiv(K, k_per_split)  # no empty splits
+    # Deterministic: each split writes its own [M, R] slab, summed below in a fixed order (no atomics).
+    partial = torch.empty((split, M, R), dtype=torch.float32, device=x.device)
+    grid = (row_blocks, triton.cdiv(R, block_r), split)
     _lora_shrink_kernel[grid](
-        x, weight, out,
-        M, K, R,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        x, weight, partial,
+        M, K, R, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-        DOT_PRECISION=_dot_precision(x.dtype, weight.dtype),
-        num_warps=8 if block_r > 64 else 4, num_stages=3,
+        DOT_PRECISION=_dot_precision(x.dtype, weight.dtype), DOT_MODE=mode,
+        num_warps=8 if block_r > 64 else 4, num_stages=4,
     )  # fmt: skip
-    return out
+    return partial[0] if split == 1 else partial.sum(dim=0)
 
 
 def _lora_expand_add_triton(
@@ -219,7 +278,7 @@ def _lora_expand_add_triton(
     scale: float,
     out_dtype: torch.dtype,
     block_m: int = 64,
-    block_n: int = 128,
+    block_n: int = 64,
     block_r: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -233,6 +292,9 @@ def _lora_expand_add_triton(
     # took 214us instead of 104us on an H200 (M=8192, N=4096, rank 64), so copy that small adapter.
     right = right if right.stride(1) == 1 else right.contiguous()
     block_r = block_r or _rank_block(R, cap=64)
+    # H200, M=8192, rank 16, in place (benchmarks/tune_lora_terms.py): 64 x 64 tiles, 2 stages took
+    # 181us at N=14336 (2.6 TB/s) against 202us for 64 x 128. Tiles that loop over several column
+    # blocks per program were no faster (201us).
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     _lora_expand_add_kernel[grid](
         base, left, right, out,
@@ -258,7 +320,7 @@ def _lora_weight_grad_triton(
     x: torch.Tensor,
     scale: float,
     split: int | None = None,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_k: int = 128,
     block_r: int | None = None,
 ) -> torch.Tensor:
@@ -270,6 +332,9 @@ def _lora_weight_grad_triton(
     # rank 128 on an H200 (M=8192, K=4096), for a transposed copy of left (M * R * 4 bytes, 2 MB).
     left = left if left.stride(0) == 1 else left.T.contiguous().T
     block_r = block_r or _rank_block(R, cap=64)
+    # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
+    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster.
+    block_m = block_m or (128 if block_r >= 32 and K <= 8192 else 64)
     tiles = triton.cdiv(K, block_k) * triton.cdiv(R, block_r)
     if split is None:
         # Split the token dimension only as far as needed to give every SM two programs.
@@ -285,7 +350,7 @@ def _lora_weight_grad_triton(
         left.stride(0), left.stride(1), x.stride(0), x.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
+        DOT_PRECISION=_dot_precision(left.dtype, x.dtype), DOT_MODE=_FP32_DOT,  # left is always fp32
         num_warps=8, num_stages=3,
     )  # fmt: skip
     return partial[0] if split == 1 else partial.sum(dim=0)

@@ -1,0 +1,115 @@
+"""Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
+
+python -m benchmarks.tune_lora_terms      (prints, per shape, the default's time and the fastest configs)
+
+The launchers' defaults in `fastlora_peft/kernels/lora_terms.py` cite what this printed on the H200.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from fastlora_peft.kernels import lora_terms as lt
+
+TOKENS = 8192
+
+
+def _bench(fn) -> float:
+    return do_bench(fn, warmup=5, rep=30) * 1e3  # microseconds
+
+
+def _report(name: str, default_us: float, results: list[tuple[float, dict]], moved_bytes: int) -> None:
+    results.sort(key=lambda item: item[0])
+    best_us, best = results[0]
+    print(
+        f"{name}: default {default_us:7.1f}us ({moved_bytes / default_us / 1e6:5.2f} TB/s)  "
+        f"best {best_us:7.1f}us ({moved_bytes / best_us / 1e6:5.2f} TB/s) {best}  "
+        f"next {[(round(t, 1), c) for t, c in results[1:3]]}",
+        flush=True,
+    )
+
+
+def tune_shrink(k: int, rank: int, weight_dtype: torch.dtype) -> None:
+    x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(rank, k, device="cuda", dtype=weight_dtype)
+    out = torch.empty(TOKENS, rank, device="cuda", dtype=torch.float32)
+    default = _bench(lambda: lt._lora_shrink_triton(x=x, weight=weight))
+    results = []
+    for block_m, block_k, warps, stages in itertools.product((32, 64), (64, 128, 256), (4,), (3, 4)):
+        block_r = lt._rank_block(rank, cap=128)
+
+        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages, block_r=block_r):
+            lt._lora_shrink_kernel[(triton.cdiv(TOKENS, block_m), 1)](
+                x, weight, out, TOKENS, k, rank,
+                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+                BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+                DOT_PRECISION=lt._dot_precision(x.dtype, weight.dtype), DOT_MODE=lt._dot_mode(x, weight),
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+        try:
+            results.append((_bench(launch), dict(m=block_m, k=block_k, w=warps, s=stages)))
+        except Exception as error:  # out of shared memory / registers for this config
+            print(f"  skip m={block_m} k={block_k} w={warps} s={stages}: {type(error).__name__}")
+    _report(f"shrink K={k} R={rank} w={str(weight_dtype)[6:]}", default, results, x.numel() * 2)
+
+
+def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
+    base = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
+    left = torch.randn(TOKENS, rank, device="cuda", dtype=torch.float32)
+    right = torch.randn(n, rank, device="cuda", dtype=right_dtype)
+    default = _bench(
+        lambda: lt._lora_expand_add_triton(
+            base=base, left=left, right=right, scale=0.5, out_dtype=base.dtype, out=base
+        )
+    )
+    results = []
+    for block_m, block_n in itertools.product((32, 64, 128), (32, 64, 128)):
+
+        def launch(block_m=block_m, block_n=block_n):
+            lt._lora_expand_add_triton(
+                base=base, left=left, right=right, scale=0.5, out_dtype=base.dtype, out=base,
+                block_m=block_m, block_n=block_n,
+            )  # fmt: skip
+
+        try:
+            results.append((_bench(launch), dict(m=block_m, n=block_n)))
+        except Exception as error:
+            print(f"  skip m={block_m} n={block_n}: {type(error).__name__}")
+    _report(f"expand_add_ N={n} R={rank} w={str(right_dtype)[6:]}", default, results, base.numel() * 4)
+
+
+def tune_weight_grad(k: int, rank: int) -> None:
+    x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
+    left = torch.randn(TOKENS, rank, device="cuda", dtype=torch.float32)
+    default = _bench(lambda: lt._lora_weight_grad_triton(left=left, x=x, scale=0.5))
+    results = []
+    for block_m, block_k in itertools.product((32, 64, 128), (64, 128, 256)):
+
+        def launch(block_m=block_m, block_k=block_k):
+            lt._lora_weight_grad_triton(left=left, x=x, scale=0.5, block_m=block_m, block_k=block_k)
+
+        try:
+            results.append((_bench(launch), dict(m=block_m, k=block_k)))
+        except Exception as error:
+            print(f"  skip m={block_m} k={block_k}: {type(error).__name__}")
+    _report(f"weight_grad K={k} R={rank}", default, results, x.numel() * 2)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for k, rank, dtype in ((4096, 16, bf16), (4096, 16, fp32), (14336, 16, fp32), (4096, 48, fp32)):
+        tune_shrink(k, rank, dtype)
+    for n, rank, dtype in ((4096, 16, fp32), (14336, 16, fp32), (14336, 16, bf16)):
+        tune_expand_add(n, rank, dtype)
+    for k, rank in itertools.product((4096, 14336), (16, 32)):
+        tune_weight_grad(k, rank)
+
+
+if __name__ == "__main__":
+    main()

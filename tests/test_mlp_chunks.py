@@ -1,0 +1,187 @@
+"""The gated MLP's down projection in chunks of token rows: the row ranges, the same output and every
+gradient as one chunk, a pin that several chunks really ran, and a float64 gradcheck across chunks.
+
+Odd sizes throughout (37 tokens in 3 uneven chunks); under TRITON_INTERPRET=1 the fp32 cases run the
+Triton kernels, so the shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_rel_close
+
+from fastlora_peft.dtypes import DtypePlan
+from fastlora_peft.functions import gated_mlp
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
+from fastlora_peft.functions.gated_mlp import LoraGatedMlpFunction, fused_gated_mlp, token_chunks
+
+HIDDEN, INTERMEDIATE, TOKENS = 10, 24, 37
+ONE_CHUNK = 2**40
+MLP_LAYOUTS = ("gate-up-down", "gate_up-down")  # Llama-like, Phi-3's fused gate_up
+ACTIVATIONS = ("silu", "gelu_tanh")
+# Relative errors (norm-wise) allowed: chunking changes only the order of sums (dA_down over tokens,
+# GEMM row blocking), measured at 1.5e-7 in fp32; a wrong or missing chunk is off by O(1).
+TOLERANCES = {torch.float32: 1e-6, torch.float64: 1e-12}
+DTYPE_IDS = {torch.float32: "fp32", torch.float64: "fp64"}
+BF16_BYTES = 2
+LLAMA_8B_INTERMEDIATE = 14336
+
+
+def random_mlp(mlp_layout: str, dtype: torch.dtype, tokens: int = TOKENS, seed: int = 0):
+    """x `[tokens, HIDDEN]`, bases, loras of one gated MLP: unequal ranks and scales, trainable biases
+    on up (or gate_up) and down, lora_B random (a zero B would hide wrong dA)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def tensor(*shape, grad=True):
+        values = torch.randn(*shape, generator=generator, dtype=torch.float64) * 0.5
+        return values.to(dtype).requires_grad_(grad)
+
+    def projection(in_features, out_features, rank, scale, bias):
+        bias_tensor = tensor(out_features) if bias else None
+        base = FrozenBase(tensor(out_features, in_features, grad=False), bias_tensor, None)
+        return base, LoraWeights(tensor(rank, in_features), tensor(out_features, rank), scale)
+
+    if mlp_layout == "gate-up-down":
+        shapes = [(HIDDEN, INTERMEDIATE, 3, 0.5, False), (HIDDEN, INTERMEDIATE, 2, 1.5, True)]
+    else:
+        shapes = [(HIDDEN, 2 * INTERMEDIATE, 4, 0.75, True)]
+    shapes.append((INTERMEDIATE, HIDDEN, 5, 1.25, True))
+    projections = [projection(*shape) for shape in shapes]
+    bases, loras = [p[0] for p in projections], [p[1] for p in projections]
+    return tensor(tokens, HIDDEN), bases, loras
+
+
+def trainable_tensors(x, bases, loras) -> list[torch.Tensor]:
+    tensors = [x] + [t for lora in loras for t in (lora.lora_a, lora.lora_b)]
+    tensors += [base.bias for base in bases if base.bias is not None]
+    return [t for t in tensors if t.requires_grad]
+
+
+def bytes_for_chunks(count: int, dtype: torch.dtype, tokens: int = TOKENS) -> int:
+    """A chunk size that splits the test's h `[tokens, INTERMEDIATE]` into `count` chunks."""
+    chunk_bytes = math.ceil(tokens * INTERMEDIATE * dtype.itemsize / count)
+    assert len(token_chunks(tokens, INTERMEDIATE, dtype.itemsize, chunk_bytes)) == count
+    return chunk_bytes
+
+
+def run_mlp(monkeypatch, chunk_bytes, x, bases, loras, activation):
+    """The output and the gradient of every trainable tensor, for a fixed random upstream gradient."""
+    monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", chunk_bytes)
+    plan = DtypePlan(x.dtype, x.dtype)
+    out = fused_gated_mlp(x, bases, loras, plan, activation)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    grads = torch.autograd.grad(out, trainable_tensors(x, bases, loras), grad_out)
+    return out.detach(), grads
+
+
+@pytest.fixture
+def call_rows(monkeypatch) -> dict[str, list[int]]:
+    """Rows of each call of the activation kernels as the gated MLP calls them, by kernel name."""
+    rows: dict[str, list[int]] = {"gated_act_forward": [], "gated_act_backward_": []}
+    for name, row_arg in (("gated_act_forward", 0), ("gated_act_backward_", 1)):
+        original = getattr(gated_mlp, name)
+
+        def counting(*args, _name=name, _row_arg=row_arg, _original=original):
+            rows[_name].append(args[_row_arg].shape[0])
+            return _original(*args)
+
+        monkeypatch.setattr(gated_mlp, name, counting)
+    return rows
+
+
+# --- the row ranges ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens, chunk_bytes",
+    [(37, 1184), (37, 1), (1, 1), (0, 64), (2048, 2**26), (8191, 2**26), (100, 99 * 24 * 4)],
+    ids=["37-3chunks", "37-row-each", "one-row", "no-rows", "2048", "8191-odd", "just-over"],
+)
+def test_token_chunks_cover_every_row_once_in_near_equal_chunks(tokens, chunk_bytes):
+    intermediate, element_size = 24 if tokens < 2048 else LLAMA_8B_INTERMEDIATE, 4
+    chunks = token_chunks(tokens, intermediate, element_size, chunk_bytes)
+    rows = [row for chunk in chunks for row in range(tokens)[chunk]]
+    assert rows == list(range(tokens))
+    sizes = [chunk.stop - chunk.start for chunk in chunks]
+    assert len(chunks) >= 1 and max(sizes) - min(sizes) <= 1
+    # at most one row over the budget (the split is even, not rounded down)
+    assert (max(sizes) - 1) * intermediate * element_size <= chunk_bytes or max(sizes) == 1
+
+
+@pytest.mark.parametrize("tokens, expected", [(2048, [2048]), (8192, [2048] * 4), (4096, [2048] * 2)])
+def test_token_chunks_at_llama_8b_shapes(tokens, expected):
+    # 2048 x 14336 bf16 is 56 MiB: one chunk, the launches of the unchunked MLP; 8192 tokens: four.
+    chunks = token_chunks(tokens, LLAMA_8B_INTERMEDIATE, BF16_BYTES, LoraGatedMlpFunction.chunk_bytes)
+    assert [chunk.stop - chunk.start for chunk in chunks] == expected
+
+
+# --- chunked == one chunk -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
+def test_chunked_output_and_grads_equal_one_chunk(monkeypatch, call_rows, mlp_layout, activation, dtype):
+    x, bases, loras = random_mlp(mlp_layout, dtype)
+    whole_out, whole_grads = run_mlp(monkeypatch, ONE_CHUNK, x, bases, loras, activation)
+    assert call_rows["gated_act_forward"] == [TOKENS, TOKENS]  # forward, then backward's recompute
+    call_rows["gated_act_forward"].clear()
+    call_rows["gated_act_backward_"].clear()
+
+    out, grads = run_mlp(monkeypatch, bytes_for_chunks(3, dtype), x, bases, loras, activation)
+    chunk_rows = [12, 12, 13]
+    assert call_rows["gated_act_forward"] == chunk_rows * 2, "forward and backward: three chunks each"
+    assert call_rows["gated_act_backward_"] == chunk_rows
+    assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
+    names = ["x"] + [f"{p}.lora_{ab}" for p in range(len(loras)) for ab in "ab"] + ["biases"] * 2
+    for name, grad, whole_grad in zip(names, grads, whole_grads, strict=True):
+        assert whole_grad.abs().max() > 0, f"{name}: a zero gradient tests nothing"
+        assert_rel_close(grad, whole_grad, TOLERANCES[dtype], name)
+
+
+@pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
+def test_chunks_without_down_lora_a_grad_never_recompute_h(monkeypatch, call_rows, mlp_layout):
+    dtype = torch.float32
+    x, bases, loras = random_mlp(mlp_layout, dtype, seed=1)
+    loras[-1] = loras[-1]._replace(lora_a=loras[-1].lora_a.detach())  # dA_down is the only reader of h
+    whole_out, whole_grads = run_mlp(monkeypatch, ONE_CHUNK, x, bases, loras, "silu")
+    call_rows["gated_act_forward"].clear()
+    out, grads = run_mlp(monkeypatch, bytes_for_chunks(4, dtype), x, bases, loras, "silu")
+    assert call_rows["gated_act_forward"] == [9, 9, 9, 10], "forward only: backward must not recompute h"
+    assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
+    for index, (grad, whole_grad) in enumerate(zip(grads, whole_grads, strict=True)):
+        assert_rel_close(grad, whole_grad, TOLERANCES[dtype], f"trainable tensor {index}")
+
+
+def test_chunks_keep_the_second_backward_error(monkeypatch):
+    x, bases, loras = random_mlp("gate-up-down", torch.float64, seed=2)
+    monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", bytes_for_chunks(3, torch.float64))
+    out = fused_gated_mlp(x, bases, loras, DtypePlan(torch.float64, torch.float64), "silu")
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="overwrite_saved_preactivations"):
+        out.sum().backward()
+
+
+# --- float64 gradcheck through several chunks ---------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
+def test_chunked_gated_mlp_gradcheck(monkeypatch, mlp_layout, activation):
+    # gradcheck runs backward many times through one graph: keep the saved gate/up intact.
+    monkeypatch.setattr(LoraGatedMlpFunction, "overwrite_saved_preactivations", False)
+    tokens = 7
+    monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", bytes_for_chunks(3, torch.float64, tokens))
+    x, bases, loras = random_mlp(mlp_layout, torch.float64, tokens=tokens, seed=3)
+    plan = DtypePlan(torch.float64, torch.float64)
+
+    def function(x, *tensors):
+        it = iter(tensors)
+        new_loras = [LoraWeights(next(it), next(it), lora.scale) for lora in loras]
+        new_bases = [FrozenBase(b.weight, next(it) if b.bias is not None else None, None) for b in bases]
+        return fused_gated_mlp(x, new_bases, new_loras, plan, activation)
+
+    assert torch.autograd.gradcheck(function, trainable_tensors(x, bases, loras))
