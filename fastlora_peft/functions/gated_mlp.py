@@ -15,8 +15,9 @@ The down projection runs in chunks of token rows, so h (forward) and h and dh (b
 one chunk at a time. At Llama-3.1-8B shapes (8192 tokens, I = 14336, bf16) a whole h is 224 MiB and
 the peak was gate + up + h + out = 224 + 224 + 224 + 64 = 742 MiB (852 with an NF4 down weight
 dequantized; measured on an H200); in chunks of at most 64 MiB (four there), each written straight
-into its rows of the output, it is about 224 + 224 + 56 + 64 = 568 MiB, 680 for NF4. 2048 tokens
-(56 MiB of h) stay one chunk, i.e. the same launches as unchunked (see `_CHUNK_BYTES`).
+into its rows of the output, it is about 224 + 224 + 56 + 64 = 568 MiB, 680 for NF4 (measured: 586
+and 692, `benchmarks.run --cases blocks`). 2048 tokens (56 MiB of h) stay one chunk, i.e. the same
+launches as unchunked (see `_CHUNK_BYTES`).
 """
 
 from __future__ import annotations
