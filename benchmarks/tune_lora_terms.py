@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from fastlora_peft.kernels import lora_terms as lt
@@ -36,25 +35,17 @@ def _report(name: str, default_us: float, results: list[tuple[float, dict]], mov
 def tune_shrink(k: int, rank: int, weight_dtype: torch.dtype) -> None:
     x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(rank, k, device="cuda", dtype=weight_dtype)
-    out = torch.empty(TOKENS, rank, device="cuda", dtype=torch.float32)
     default = _bench(lambda: lt._lora_shrink_triton(x=x, weight=weight))
     results = []
-    for block_m, block_k, warps, stages in itertools.product((32, 64), (64, 128, 256), (4,), (3, 4)):
-        block_r = lt._rank_block(rank, cap=128)
+    for block_m, block_k in itertools.product((16, 32, 64), (64, 128, 256)):
 
-        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages, block_r=block_r):
-            lt._lora_shrink_kernel[(triton.cdiv(TOKENS, block_m), 1)](
-                x, weight, out, TOKENS, k, rank,
-                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-                DOT_PRECISION=lt._dot_precision(x.dtype, weight.dtype), DOT_MODE=lt._dot_mode(x, weight),
-                num_warps=warps, num_stages=stages,
-            )  # fmt: skip
+        def launch(block_m=block_m, block_k=block_k):
+            lt._lora_shrink_triton(x=x, weight=weight, block_m=block_m, block_k=block_k)
 
         try:
-            results.append((_bench(launch), dict(m=block_m, k=block_k, w=warps, s=stages)))
+            results.append((_bench(launch), dict(m=block_m, k=block_k)))
         except Exception as error:  # out of shared memory / registers for this config
-            print(f"  skip m={block_m} k={block_k} w={warps} s={stages}: {type(error).__name__}")
+            print(f"  skip m={block_m} k={block_k}: {type(error).__name__}")
     _report(f"shrink K={k} R={rank} w={str(weight_dtype)[6:]}", default, results, x.numel() * 2)
 
 

@@ -89,16 +89,6 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _dot_acc(a, b, acc, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + a @ b in fp32, by the dot modes above."""
-    if MODE == 1:
-        acc = tl.dot(a, b, acc)
-    else:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
 def _lora_shrink_kernel(
     X_ptr, W_ptr, Out_ptr,
     M, K, R, k_per_split,
@@ -128,7 +118,10 @@ def _lora_shrink_kernel(
         mask_k = offs_k + k0 < k_end
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc = _dot_acc(x, w, acc, DOT_MODE, DOT_PRECISION)
+        if DOT_MODE == 1:  # _NATIVE_DOT
+            acc = tl.dot(x, w, acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     out_ptrs = (
@@ -178,7 +171,6 @@ def _lora_weight_grad_kernel(
     M, R, K, scale, rows_per_split,
     stride_lm, stride_lr, stride_xm, stride_xk, stride_os, stride_or, stride_ok,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_MODE: tl.constexpr,
 ):  # fmt: skip
     """Out[s, R, K] = scale * Left[M_s, R]^T @ X[M_s, K] over split s's rows M_s = [s * rows_per_split, ...).
 
@@ -205,10 +197,11 @@ def _lora_weight_grad_kernel(
         rows = rows.to(tl.int64)
         # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
         x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
-        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        # Left is always fp32 (a shrink's output), so this dot is always the fp32 mode.
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
         left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        acc = _dot_acc(x_t, left, acc, DOT_MODE, DOT_PRECISION)
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(x_t, left, acc, input_precision=DOT_PRECISION)
     out_ptrs = Out_ptr + pid_s * stride_os + offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
     tl.store(out_ptrs, scale * acc, mask=mask_k[:, None] & mask_r[None, :])
 
@@ -350,7 +343,7 @@ def _lora_weight_grad_triton(
         left.stride(0), left.stride(1), x.stride(0), x.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(left.dtype, x.dtype), DOT_MODE=_FP32_DOT,  # left is always fp32
+        DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
         num_warps=8, num_stages=3,
     )  # fmt: skip
     return partial[0] if split == 1 else partial.sum(dim=0)
