@@ -30,7 +30,14 @@ BF16_BYTES = 2
 LLAMA_8B_INTERMEDIATE = 14336
 
 
-def random_mlp(mlp_layout: str, dtype: torch.dtype, tokens: int = TOKENS, seed: int = 0):
+def random_mlp(
+    mlp_layout: str,
+    dtype: torch.dtype,
+    tokens: int = TOKENS,
+    seed: int = 0,
+    hidden: int = HIDDEN,
+    intermediate: int = INTERMEDIATE,
+):
     """x `[tokens, HIDDEN]`, bases, loras of one gated MLP: unequal ranks and scales, trainable biases
     on up (or gate_up) and down, lora_B random (a zero B would hide wrong dA)."""
     generator = torch.Generator().manual_seed(seed)
@@ -45,13 +52,13 @@ def random_mlp(mlp_layout: str, dtype: torch.dtype, tokens: int = TOKENS, seed: 
         return base, LoraWeights(tensor(rank, in_features), tensor(out_features, rank), scale)
 
     if mlp_layout == "gate-up-down":
-        shapes = [(HIDDEN, INTERMEDIATE, 3, 0.5, False), (HIDDEN, INTERMEDIATE, 2, 1.5, True)]
+        shapes = [(hidden, intermediate, 3, 0.5, False), (hidden, intermediate, 2, 1.5, True)]
     else:
-        shapes = [(HIDDEN, 2 * INTERMEDIATE, 4, 0.75, True)]
-    shapes.append((INTERMEDIATE, HIDDEN, 5, 1.25, True))
+        shapes = [(hidden, 2 * intermediate, 4, 0.75, True)]
+    shapes.append((intermediate, hidden, 5, 1.25, True))
     projections = [projection(*shape) for shape in shapes]
     bases, loras = [p[0] for p in projections], [p[1] for p in projections]
-    return tensor(tokens, HIDDEN), bases, loras
+    return tensor(tokens, hidden), bases, loras
 
 
 def trainable_tensors(x, bases, loras) -> list[torch.Tensor]:
@@ -60,10 +67,12 @@ def trainable_tensors(x, bases, loras) -> list[torch.Tensor]:
     return [t for t in tensors if t.requires_grad]
 
 
-def bytes_for_chunks(count: int, dtype: torch.dtype, tokens: int = TOKENS) -> int:
-    """A chunk size that splits the test's h `[tokens, INTERMEDIATE]` into `count` chunks."""
-    chunk_bytes = math.ceil(tokens * INTERMEDIATE * dtype.itemsize / count)
-    assert len(token_chunks(tokens, INTERMEDIATE, dtype.itemsize, chunk_bytes)) == count
+def bytes_for_chunks(
+    count: int, dtype: torch.dtype, tokens: int = TOKENS, intermediate: int = INTERMEDIATE
+) -> int:
+    """A chunk size that splits the test's h `[tokens, intermediate]` into `count` chunks."""
+    chunk_bytes = math.ceil(tokens * intermediate * dtype.itemsize / count)
+    assert len(token_chunks(tokens, intermediate, dtype.itemsize, chunk_bytes)) == count
     return chunk_bytes
 
 
@@ -187,31 +196,52 @@ def test_chunked_gated_mlp_gradcheck(monkeypatch, mlp_layout, activation):
     assert torch.autograd.gradcheck(function, trainable_tensors(x, bases, loras))
 
 
-# --- chunks under the mixed dtype plans ---------------------------------------------------------
+# --- chunks under the other dtype layouts ------------------------------------------------------
 
-MIXED_PLANS = {
+# id: (x dtype, base weight dtype, NF4 base?, plan), adapters fp32 throughout (PEFT's default).
+MIXED_LAYOUTS = {
+    # PEFT's default layout, fp32 adapters on a bf16 base: chunks are written into the bf16 output.
+    "bf16-fp32adapters": (torch.bfloat16, torch.bfloat16, False, DtypePlan(torch.bfloat16, torch.bfloat16)),
+    "fp16-fp32adapters": (torch.float16, torch.float16, False, DtypePlan(torch.float16, torch.float16)),
     # fp32 activations on a bf16 base: the base matmuls run in bf16, the outputs are fp32, so each
     # chunk's base output cannot be written into the fp32 output directly and is copied there.
-    "fp32x-on-bf16": (torch.float32, DtypePlan(torch.bfloat16, torch.float32)),
-    # PEFT's default layout, fp32 adapters on a bf16 base: chunks are written into the bf16 output.
-    "bf16-fp32adapters": (torch.bfloat16, DtypePlan(torch.bfloat16, torch.bfloat16)),
+    "fp32x-on-bf16": (torch.float32, torch.bfloat16, False, DtypePlan(torch.bfloat16, torch.float32)),
+    # NF4 bases (double-quantized absmax, bf16 compute): the down weight is dequantized once per pass.
+    "nf4-fp32adapters": (torch.bfloat16, torch.bfloat16, True, DtypePlan(torch.bfloat16, torch.bfloat16)),
+    "nf4-fp32x": (torch.float32, torch.bfloat16, True, DtypePlan(torch.bfloat16, torch.float32)),
 }
+# bitsandbytes quantizes on the CPU only feature sizes that are multiples of 64.
+NF4_HIDDEN, NF4_INTERMEDIATE = 64, 128
+
+
+def nf4_base(base: FrozenBase) -> FrozenBase:
+    import bitsandbytes.functional as bnb_functional
+
+    from fastlora_peft.kernels.dequant4bit import Quant4bitState
+
+    packed, quant_state = bnb_functional.quantize_4bit(
+        base.weight.detach().to(torch.bfloat16), blocksize=64, compress_statistics=True, quant_type="nf4"
+    )
+    return FrozenBase(packed, base.bias, Quant4bitState.from_bnb(quant_state, packed))
 
 
 @pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
-@pytest.mark.parametrize("plan_id", list(MIXED_PLANS))
-def test_chunks_under_mixed_dtype_plans(monkeypatch, call_rows, mlp_layout, plan_id):
-    x_dtype, plan = MIXED_PLANS[plan_id]
-    x, bases, loras = random_mlp(mlp_layout, torch.float32)
+@pytest.mark.parametrize("layout_id", list(MIXED_LAYOUTS))
+def test_chunks_under_other_dtype_layouts(monkeypatch, call_rows, mlp_layout, layout_id):
+    x_dtype, base_dtype, quantized, plan = MIXED_LAYOUTS[layout_id]
+    sizes = dict(hidden=NF4_HIDDEN, intermediate=NF4_INTERMEDIATE) if quantized else {}
+    x, bases, loras = random_mlp(mlp_layout, torch.float32, **sizes)
     x = x.detach().to(x_dtype).requires_grad_()
     bases = [
         FrozenBase(
-            base.weight.detach().to(torch.bfloat16),
-            None if base.bias is None else base.bias.detach().to(torch.bfloat16).requires_grad_(),
+            base.weight.detach().to(base_dtype),
+            None if base.bias is None else base.bias.detach().to(base_dtype).requires_grad_(),
             None,
         )
         for base in bases
     ]
+    if quantized:
+        bases = [nf4_base(base) for base in bases]
 
     def run(chunk_bytes):
         monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", chunk_bytes)
@@ -220,12 +250,10 @@ def test_chunks_under_mixed_dtype_plans(monkeypatch, call_rows, mlp_layout, plan
         return out.detach(), torch.autograd.grad(out, trainable_tensors(x, bases, loras), grad_out)
 
     whole_out, whole_grads = run(ONE_CHUNK)
-    chunked_out, chunked_grads = run(bytes_for_chunks(3, plan.out_dtype))  # h has the output dtype
-    assert call_rows["gated_act_forward"][-6:-3] == [
-        12,
-        12,
-        13,
-    ]  # three chunks in forward, three again in backward
+    intermediate = sizes.get("intermediate", INTERMEDIATE)
+    # h has the output dtype: three chunks of 12, 12, 13 rows in forward, the same again in backward.
+    chunked_out, chunked_grads = run(bytes_for_chunks(3, plan.out_dtype, intermediate=intermediate))
+    assert call_rows["gated_act_forward"][-6:] == [12, 12, 13] * 2
     assert chunked_out.dtype == plan.out_dtype
     # Each row's output is computed by the same ops either way (bit-identical on the CPU); only the
     # order of the sums over tokens (dA_down) changes: 1.3e-7 measured. A skipped copy is off by O(1).
