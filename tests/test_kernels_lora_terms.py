@@ -174,7 +174,7 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
         base=base, left=left, right=lora_b, scale=SCALE, out_dtype=FP32, block_m=16, block_n=16, block_r=16
     )
     assert_rel_close(got, base.double() + SCALE * (left.double() @ lora_b.double().T), tol)
-    # One rank tile (the left tile loaded once per program), several column tiles per program, in place.
+    # In place (out is base itself), a rank inside one rank tile, several row and column tiles.
     in_place, narrow_left, narrow_b = base.contiguous(), left[:, :11], lora_b[:, :11]
     truth = in_place.double() + SCALE * (narrow_left.double() @ narrow_b.double().T)
     lora_terms._lora_expand_add_triton(
