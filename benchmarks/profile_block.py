@@ -28,6 +28,7 @@ def main() -> None:
         "--tokens", type=int, default=cases.LLAMA_8B.tokens, help="batch 1 of this many tokens"
     )
     parser.add_argument("--cprofile", action="store_true", help="also print Python functions by own time")
+    parser.add_argument("--cpu-ops", action="store_true", help="also print torch ops by host (CPU) time")
     args = parser.parse_args()
 
     geo, device = cases.LLAMA_8B, torch.device("cuda")
@@ -50,13 +51,29 @@ def main() -> None:
     host = (time.perf_counter() - start) / 20
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / 20
+    # Host time with an empty launch queue: back to back, a GPU-bound step blocks its host once the
+    # queue is full, and "host" above then counts waiting too.
+    alone = 0.0
+    for _ in range(20):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        run()
+        alone += time.perf_counter() - begin
     print(f"{args.block} {args.base} {args.adapters} {args.provider} {args.tokens} tokens: "
-          f"host {host * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step")  # fmt: skip
+          f"host {host * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
+          f"host alone {alone / 20 * 1e3:.3f} ms/step")  # fmt: skip
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             run()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    if args.cpu_ops:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
+        ops = prof.key_averages()
+        print(ops.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=50))
     if args.cprofile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -65,6 +82,7 @@ def main() -> None:
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
-python -m benchmarks.tune_lora_terms      (prints, per shape, the default's time and the fastest configs)
+python -m benchmarks.tune_lora_terms [--expand-add | --gated]   (per shape: the default, the fastest configs)
 
 The launchers' defaults in `fastlora_peft/kernels/lora_terms.py` cite what this printed on the H200.
 """
@@ -8,6 +8,7 @@ The launchers' defaults in `fastlora_peft/kernels/lora_terms.py` cite what this 
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 from triton.testing import do_bench
@@ -59,18 +60,20 @@ def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
         )
     )
     results = []
-    for block_m, block_n in itertools.product((32, 64, 128), (32, 64, 128)):
+    tiles = ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128), (32, 256), (64, 256))
+    for (block_m, block_n), warps, stages in itertools.product(tiles, (4, 8), (1, 2, 3)):
 
-        def launch(block_m=block_m, block_n=block_n):
+        def launch(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
             lt._lora_expand_add_triton(
                 base=base, left=left, right=right, scale=0.5, out_dtype=base.dtype, out=base,
-                block_m=block_m, block_n=block_n,
+                block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
             )  # fmt: skip
 
+        config = dict(m=block_m, n=block_n, w=warps, s=stages)
         try:
-            results.append((_bench(launch), dict(m=block_m, n=block_n)))
+            results.append((_bench(launch), config))
         except Exception as error:
-            print(f"  skip m={block_m} n={block_n}: {type(error).__name__}")
+            print(f"  skip {config}: {type(error).__name__}")
     _report(f"expand_add_ N={n} R={rank} w={str(right_dtype)[6:]}", default, results, base.numel() * 4)
 
 
@@ -91,12 +94,60 @@ def tune_weight_grad(k: int, rank: int) -> None:
     _report(f"weight_grad K={k} R={rank}", default, results, x.numel() * 2)
 
 
+def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> None:
+    """The MLP backward's fused activation-backward + dA_down kernel on one chunk of rows, against the
+    three launches it replaces (recompute h, weight grad from h, activation backward)."""
+    from fastlora_peft.kernels import gated_act, gated_act_lora
+
+    gate = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    up, grad_h = torch.randn_like(gate), torch.randn_like(gate)
+    left = torch.randn(rows, rank, device="cuda", dtype=torch.float32)
+
+    def unfused():
+        hidden = gated_act._gated_act_forward_triton(gate, up, "silu")
+        lt._lora_weight_grad_triton(left=left, x=hidden, scale=0.5)
+        gated_act._gated_act_backward_triton(grad_h, gate, up, "silu", in_place=True)
+
+    moved = gate.numel() * 2 * 5
+    default = _bench(
+        lambda: gated_act_lora._gated_act_backward_weight_grad_triton(
+            grad_h=grad_h, gate=gate, up=up, activation="silu", left=left, scale=0.5
+        )
+    )
+    print(f"gated bwd + dA rows={rows}: unfused three launches {_bench(unfused):7.1f}us", flush=True)
+    results = []
+    for block_m, block_i, warps, stages, per_sm in itertools.product(
+        (16, 32, 64), (64, 128, 256), (4, 8), (1, 2), (2, 4)
+    ):
+
+        def launch(block_m=block_m, block_i=block_i, warps=warps, stages=stages, per_sm=per_sm):
+            gated_act_lora._gated_act_backward_weight_grad_triton(
+                grad_h=grad_h, gate=gate, up=up, activation="silu", left=left, scale=0.5,
+                block_m=block_m, block_i=block_i, num_warps=warps, num_stages=stages, split_per_sm=per_sm,
+            )  # fmt: skip
+
+        config = dict(m=block_m, i=block_i, w=warps, s=stages, per_sm=per_sm)
+        try:
+            results.append((_bench(launch), config))
+        except Exception as error:
+            print(f"  skip {config}: {type(error).__name__}")
+    _report(f"gated bwd + dA rows={rows} I={n} R={rank}", default, results, moved)
+
+
 def main() -> None:
     torch.manual_seed(0)
     bf16, fp32 = torch.bfloat16, torch.float32
+    expand_add_shapes = ((4096, 16, fp32), (14336, 16, fp32), (14336, 16, bf16))
+    if "--gated" in sys.argv:
+        tune_gated_weight_grad()
+        return
+    if "--expand-add" in sys.argv:
+        for n, rank, dtype in expand_add_shapes:
+            tune_expand_add(n, rank, dtype)
+        return
     for k, rank, dtype in ((4096, 16, bf16), (4096, 16, fp32), (14336, 16, fp32), (4096, 48, fp32)):
         tune_shrink(k, rank, dtype)
-    for n, rank, dtype in ((4096, 16, fp32), (14336, 16, fp32), (14336, 16, bf16)):
+    for n, rank, dtype in expand_add_shapes:
         tune_expand_add(n, rank, dtype)
     for k, rank in itertools.product((4096, 14336), (16, 32)):
         tune_weight_grad(k, rank)

@@ -163,35 +163,35 @@ def lora_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _kernel_objects() -> dict[str, object]:
-    """Every Triton kernel of the package, by name (JITFunction, or InterpretedFunction when interpreting)."""
+    """Every Triton kernel of the package, by name: the `CachedKernel` launchers its modules hold."""
     import importlib
     import pkgutil
 
-    from triton.runtime.jit import KernelInterface
-
     import fastlora_peft.kernels as kernels_package
+    from fastlora_peft.kernels._launch import CachedKernel
 
     found = {}
     for info in pkgutil.iter_modules(kernels_package.__path__):
         module = importlib.import_module(f"{kernels_package.__name__}.{info.name}")
         for name, value in vars(module).items():
-            if isinstance(value, KernelInterface):
+            if isinstance(value, CachedKernel):
                 found[name] = value
     return found
 
 
 @pytest.fixture
 def triton_launches(monkeypatch) -> dict[str, int]:
-    """Counts launches of each of the package's Triton kernels during a test, by kernel name."""
+    """Counts launches of each of the package's Triton kernels during a test, by kernel name (on a GPU
+    too: the count is taken where every launch passes, cached or not)."""
     counts: dict[str, int] = {}
     for name, kernel in _kernel_objects().items():
-        original_run = kernel.run
+        original_launch = kernel.launch
 
-        def counting_run(*args, _name=name, _run=original_run, **kwargs):
+        def counting_launch(*args, _name=name, _launch=original_launch, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
-            return _run(*args, **kwargs)
+            return _launch(*args, **kwargs)
 
-        monkeypatch.setattr(kernel, "run", counting_run)
+        monkeypatch.setattr(kernel, "launch", counting_launch)
     return counts
 
 

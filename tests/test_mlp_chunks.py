@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_rel_close
+from conftest import TRITON_INTERPRET, assert_rel_close
 
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions import gated_mlp
@@ -89,8 +89,9 @@ def run_mlp(monkeypatch, chunk_bytes, x, bases, loras, activation):
 @pytest.fixture
 def call_rows(monkeypatch) -> dict[str, list[int]]:
     """Rows of each call of the activation kernels as the gated MLP calls them, by kernel name."""
-    rows: dict[str, list[int]] = {"gated_act_forward": [], "gated_act_backward_": []}
-    for name, row_arg in (("gated_act_forward", 0), ("gated_act_backward_", 1)):
+    names = ("gated_act_forward", "gated_act_backward_", "gated_act_backward_weight_grad_")
+    rows: dict[str, list[int]] = {name: [] for name in names}
+    for name, row_arg in zip(names, (0, 1, 1)):  # gate's rows
         original = getattr(gated_mlp, name)
 
         def counting(*args, _name=name, _row_arg=row_arg, _original=original):
@@ -133,17 +134,30 @@ def test_token_chunks_at_llama_8b_shapes(tokens, expected):
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
-def test_chunked_output_and_grads_equal_one_chunk(monkeypatch, call_rows, mlp_layout, activation, dtype):
+def test_chunked_output_and_grads_equal_one_chunk(
+    monkeypatch, call_rows, triton_launches, mlp_layout, activation, dtype
+):
     x, bases, loras = random_mlp(mlp_layout, dtype)
     whole_out, whole_grads = run_mlp(monkeypatch, ONE_CHUNK, x, bases, loras, activation)
-    assert call_rows["gated_act_forward"] == [TOKENS, TOKENS]  # forward, then backward's recompute
-    call_rows["gated_act_forward"].clear()
-    call_rows["gated_act_backward_"].clear()
+    # Backward recomputes h only inside the fused activation backward + dA_down op, never alone.
+    assert call_rows == {
+        "gated_act_forward": [TOKENS],
+        "gated_act_backward_": [],
+        "gated_act_backward_weight_grad_": [TOKENS],
+    }
+    for rows in call_rows.values():
+        rows.clear()
 
     out, grads = run_mlp(monkeypatch, bytes_for_chunks(3, dtype), x, bases, loras, activation)
     chunk_rows = [12, 12, 13]
-    assert call_rows["gated_act_forward"] == chunk_rows * 2, "forward and backward: three chunks each"
-    assert call_rows["gated_act_backward_"] == chunk_rows
+    assert call_rows == {
+        "gated_act_forward": chunk_rows,
+        "gated_act_backward_": [],
+        "gated_act_backward_weight_grad_": chunk_rows,  # once per chunk, in order, every row
+    }
+    if TRITON_INTERPRET and dtype == torch.float32:  # float64 runs the references
+        assert triton_launches.get("_gated_act_backward_weight_grad_kernel") == 1 + 3, triton_launches
+        assert "_gated_act_backward_kernel" not in triton_launches, triton_launches
     assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
     names = ["x"] + [f"{p}.lora_{ab}" for p in range(len(loras)) for ab in "ab"] + ["biases"] * 2
     for name, grad, whole_grad in zip(names, grads, whole_grads, strict=True):
@@ -157,9 +171,12 @@ def test_chunks_without_down_lora_a_grad_never_recompute_h(monkeypatch, call_row
     x, bases, loras = random_mlp(mlp_layout, dtype, seed=1)
     loras[-1] = loras[-1]._replace(lora_a=loras[-1].lora_a.detach())  # dA_down is the only reader of h
     whole_out, whole_grads = run_mlp(monkeypatch, ONE_CHUNK, x, bases, loras, "silu")
-    call_rows["gated_act_forward"].clear()
+    for rows in call_rows.values():
+        rows.clear()
     out, grads = run_mlp(monkeypatch, bytes_for_chunks(4, dtype), x, bases, loras, "silu")
     assert call_rows["gated_act_forward"] == [9, 9, 9, 10], "forward only: backward must not recompute h"
+    assert call_rows["gated_act_backward_"] == [9, 9, 9, 10]
+    assert call_rows["gated_act_backward_weight_grad_"] == [], "no dA_down, no h in backward"
     assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
     for index, (grad, whole_grad) in enumerate(zip(grads, whole_grads, strict=True)):
         assert_rel_close(grad, whole_grad, TOLERANCES[dtype], f"trainable tensor {index}")
@@ -251,9 +268,11 @@ def test_chunks_under_other_dtype_layouts(monkeypatch, call_rows, mlp_layout, la
 
     whole_out, whole_grads = run(ONE_CHUNK)
     intermediate = sizes.get("intermediate", INTERMEDIATE)
-    # h has the output dtype: three chunks of 12, 12, 13 rows in forward, the same again in backward.
+    # h has the output dtype: three chunks of 12, 12, 13 rows in forward, the same again in backward
+    # (the fused activation backward + dA_down), after one chunk of all rows each.
     chunked_out, chunked_grads = run(bytes_for_chunks(3, plan.out_dtype, intermediate=intermediate))
-    assert call_rows["gated_act_forward"][-6:] == [12, 12, 13] * 2
+    assert call_rows["gated_act_forward"] == [TOKENS, 12, 12, 13]
+    assert call_rows["gated_act_backward_weight_grad_"] == [TOKENS, 12, 12, 13]
     assert chunked_out.dtype == plan.out_dtype
     # Each row's output is computed by the same ops either way (bit-identical on the CPU); only the
     # order of the sums over tokens (dA_down) changes: 1.3e-7 measured. A skipped copy is off by O(1).

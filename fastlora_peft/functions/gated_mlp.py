@@ -6,13 +6,13 @@
 
 Gate and up are either two projections (Llama, Gemma, ...) or the two halves of one fused
 `gate_up_proj` (Phi-3). Saves x, the gate/up pre-activations and the small fp32 `x @ A.T` and
-`h @ Ad.T`; h is recomputed in backward by the same fused activation kernel instead of being kept
-([tokens, I] per block is the largest activation of a transformer layer). Backward overwrites the
-saved gate/up with their gradients, so a second backward through the same graph
-(`retain_graph=True`) stops with a clear error instead of computing garbage.
+`h @ Ad.T`; h is not kept ([tokens, I] per block is the largest activation of a transformer layer):
+backward recomputes it in registers, inside the kernel that makes the gate/up gradients and dA_down.
+Backward overwrites the saved gate/up with their gradients, so a second backward through the same
+graph (`retain_graph=True`) stops with a clear error instead of computing garbage.
 
-The down projection runs in chunks of token rows, so h (forward) and h and dh (backward) exist for
-one chunk at a time. At Llama-3.1-8B shapes (8192 tokens, I = 14336, bf16) a whole h is 224 MiB and
+The down projection runs in chunks of token rows, so h (forward) and dh (backward) exist for one
+chunk at a time. At Llama-3.1-8B shapes (8192 tokens, I = 14336, bf16) a whole h is 224 MiB and
 the peak was gate + up + h + out = 224 + 224 + 224 + 64 = 742 MiB (852 with an NF4 down weight
 dequantized; measured on an H200); in chunks of at most 64 MiB (four there), each written straight
 into its rows of the output, it is about 224 + 224 + 56 + 64 = 568 MiB, 680 for NF4 (measured: 586
@@ -29,7 +29,7 @@ import torch
 
 from ..dtypes import DtypePlan
 from ..kernels.gated_act import gated_act_backward_, gated_act_forward
-from ..kernels.lora_terms import lora_weight_grad
+from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .shared_input import (
     hoisted_grad_xa,
@@ -119,23 +119,27 @@ def _down_backward_(
     needs_a: bool,
     chunks: Sequence[slice],
 ) -> Optional[torch.Tensor]:
-    """Per chunk of rows: h's share of dA_down, then dh turned into the gate/up gradients in the
-    saved gate/up buffers themselves. Returns dA_down (fp32 `[r, I]`), or None when not needed.
+    """Per chunk of rows: dh, then one fused op that turns it into the gate/up gradients in the saved
+    gate/up buffers themselves and, when dA_down is needed, recomputes h from those rows (before it
+    overwrites them) for h's share of dA_down. Returns dA_down (fp32 `[r, I]`), or None.
 
-    A chunk's h is freed before its dh is made and it reads its rows of gate/up before they are
-    overwritten, so besides gate and up at most one `[chunk, I]` tensor is alive.
+    Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
     """
     grad_a = None
     for rows in chunks:
-        if needs_a:
-            hidden = gated_act_forward(gate[rows], up[rows], activation)
-            grad_a_rows = lora_weight_grad(grad_ha[rows], hidden, down_scale)
-            del hidden
-            grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
         grad_hidden = shared_input_grad_x(
             [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype
         )
-        gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)  # these rows now hold grads
+        # These rows of gate/up hold their gradients afterwards.
+        if needs_a:
+            # One pass over dh, gate and up instead of three launches that recompute h, read it for
+            # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora).
+            grad_a_rows = gated_act_backward_weight_grad_(
+                grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale
+            )
+            grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
+        else:
+            gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)
         del grad_hidden
     return grad_a
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import dequant4bit_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from fastlora_peft.kernels._launch import CachedKernel, cdiv
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bitsandbytes' blocksizes for 4-bit weights. The kernel needs a power of two of at least 2.
@@ -35,6 +36,7 @@ _NESTED_CODE_SIZE = 256  # the second-level (8-bit) code: one entry per uint8 va
 # ---------------------------------------------------------------------------------------------------
 
 
+@CachedKernel
 @triton.jit
 def _dequantize_4bit_kernel(
     Packed_ptr, Absmax_ptr, Code_ptr, NestedAbsmax_ptr, NestedCode_ptr, NestedOffset_ptr, Out_ptr,
@@ -138,9 +140,9 @@ def _dequantize_4bit_triton(
     else:
         absmax = _contiguous_as(absmax, torch.float32)  # fp16 absmax: exact, as bitsandbytes does
         nested_absmax = nested_code = nested_offset = code  # never read
-    num_blocks = triton.cdiv(numel, blocksize)
+    num_blocks = cdiv(numel, blocksize)
     blocks_per_program = max(1, elements_per_program // blocksize)
-    grid = (triton.cdiv(num_blocks, blocks_per_program),)
+    grid = (cdiv(num_blocks, blocks_per_program),)
     # Triton 3.6's interpreter (the CPU path) casts fp32 to bf16 by truncation, not to nearest even.
     # On a GPU the plain cast (cvt.rn) is right and 10-15% faster than the integer rounding.
     if bf16_by_bits is None:

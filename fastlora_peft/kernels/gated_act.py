@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from ._launch import CachedKernel, cdiv, next_power_of_2
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,6 +65,7 @@ def _activation_and_derivative(gate, ACTIVATION: tl.constexpr):
     return act, dact
 
 
+@CachedKernel
 @triton.jit
 def _gated_act_forward_kernel(
     gate_ptr,
@@ -89,6 +91,7 @@ def _gated_act_forward_kernel(
     tl.store(h_ptr + row * stride_h_m + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
+@CachedKernel
 @triton.jit
 def _gated_act_backward_kernel(
     grad_h_ptr,
@@ -126,8 +129,8 @@ def _gated_act_backward_kernel(
 
 def _launch_geometry(n_rows: int, n_cols: int) -> tuple[int, int, int, int]:
     """``(grid_size, n_col_blocks, BLOCK_I, num_warps)`` for an [n_rows, n_cols] launch."""
-    block_i = min(_BLOCK_I_MAX, triton.next_power_of_2(n_cols))
-    n_col_blocks = triton.cdiv(n_cols, block_i)
+    block_i = min(_BLOCK_I_MAX, next_power_of_2(n_cols))
+    n_col_blocks = cdiv(n_cols, block_i)
     num_warps = max(1, block_i // _COLUMNS_PER_WARP)
     return n_rows * n_col_blocks, n_col_blocks, block_i, num_warps
 

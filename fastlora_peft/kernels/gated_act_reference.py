@@ -1,9 +1,9 @@
 """Pure-torch reference for the gated activation of an MLP block: ``h = act(gate) * up``.
 
-Same signatures and dtype contract as :mod:`fastlora_peft.kernels.gated_act`, whose public ops run
-these on plain CPU tensors and whose tests compare the Triton kernels with them. Everything is
-computed in float32 and rounded once to ``gate``'s dtype; outputs are contiguous. Inputs are
-checked by the public ops.
+Same signatures and dtype contract as the ops of :mod:`fastlora_peft.kernels.gated_act` (and
+:mod:`~fastlora_peft.kernels.gated_act_lora`), which run these on plain CPU tensors and whose tests
+compare the Triton kernels with them. Everything is computed in float32 and rounded once to
+``gate``'s dtype; outputs are contiguous. Inputs are checked by the public ops.
 
 * ``"silu"``: SwiGLU (Llama, Mistral, Qwen), ``act = silu``.
 * ``"gelu_tanh"``: GeGLU (Gemma), ``act = gelu`` with the tanh approximation.
@@ -56,3 +56,21 @@ def gated_act_backward(
         grad_gate.to(gate.dtype, memory_format=_CONTIGUOUS),
         grad_up.to(gate.dtype, memory_format=_CONTIGUOUS),
     )
+
+
+def gated_act_backward_weight_grad(
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    left: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_gate, grad_up, grad_weight)``: :func:`gated_act_backward`'s two, and
+    ``grad_weight = scale * left.T @ h`` [R, I] for left: [M, R] float32 (float64 under gradcheck),
+    summed over the M tokens in float32 (float64). h is :func:`gated_act_forward`'s, rounded to gate's
+    dtype, as the forward stored it and the unfused backward reads it."""
+    grad_gate, grad_up = gated_act_backward(grad_h, gate, up, activation)
+    hidden = gated_act_forward(gate, up, activation)
+    grad_weight = scale * (_wide(left).T @ _wide(hidden))
+    return grad_gate, grad_up, grad_weight.contiguous()

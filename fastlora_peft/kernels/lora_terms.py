@@ -27,6 +27,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from fastlora_peft.kernels._launch import CachedKernel, cdiv, next_power_of_2
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted for gradcheck only: it always runs the reference, in float64 (see _backend).
@@ -52,10 +53,11 @@ def _dot_precision(*dtypes: torch.dtype) -> str:
 # How a kernel feeds tl.dot (a constexpr of the kernels that multiply an activation):
 # * _FP32_DOT: operands converted to fp32 in registers, DOT_PRECISION as above. The only mode the
 #   Triton interpreter runs (it computes bf16 as raw integer bits), and the mode whenever an operand
-#   is fp32: fp32 adapters need 3xTF32. (Splitting the fp32 tile into three bf16 parts for three
-#   native dots ran twice as fast on the H200 but missed fp32 accuracy there: dA 4.8e-6 relative
-#   error against PEFT's 5.1e-7 at o_proj size, with the small parts summed apart; tensor cores
-#   truncate as they accumulate. Not kept.)
+#   is fp32: fp32 adapters need 3xTF32. Two cheaper splits missed fp32 accuracy on the H200 and were
+#   not kept: the fp32 tile as three bf16 parts for native dots (twice as fast; dA 4.8e-6 relative
+#   error against PEFT's 5.1e-7 at o_proj size: bf16 tensor cores truncate as they accumulate), and
+#   as two tf32 halves for two tf32 dots on the exact-in-tf32 16-bit activation (shrink 6.5e-6 against
+#   tf32x3's 1.8e-7, and no faster at K=4096: 50 against 45us; `tests/test_gpu.py` failed).
 # * _NATIVE_DOT: both operands 16-bit of one dtype on a GPU, fed as loaded: no conversion, the
 #   16-bit tensor-core rate; the products are exact in the fp32 accumulator either way.
 _FP32_DOT, _NATIVE_DOT = 0, 1
@@ -72,7 +74,7 @@ def _dot_mode(activation: torch.Tensor, other: torch.Tensor) -> int:
 
 def _rank_block(rank: int, cap: int) -> int:
     """Rank tile: a power of two >= 16 (tl.dot's minimum) covering ``rank``, at most ``cap``."""
-    return min(max(16, triton.next_power_of_2(rank)), cap)
+    return min(max(16, next_power_of_2(rank)), cap)
 
 
 @functools.cache
@@ -88,6 +90,7 @@ def _num_sms(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
+@CachedKernel
 @triton.jit
 def _lora_shrink_kernel(
     X_ptr, W_ptr, Out_ptr,
@@ -130,6 +133,7 @@ def _lora_shrink_kernel(
     tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
+@CachedKernel
 @triton.jit
 def _lora_expand_add_kernel(
     Base_ptr, Left_ptr, Right_ptr, Out_ptr,
@@ -165,6 +169,7 @@ def _lora_expand_add_kernel(
     )
 
 
+@CachedKernel
 @triton.jit
 def _lora_weight_grad_kernel(
     Left_ptr, X_ptr, Out_ptr,
@@ -239,28 +244,30 @@ def _lora_shrink_triton(
         block_m, block_k = block_m or 64, block_k or 64
     else:
         block_m, block_k = block_m or 32, block_k or 128
-    row_blocks = triton.cdiv(M, block_m)
+    row_blocks = cdiv(M, block_m)
     if split is None:
         # Fewer row blocks than SMs (a few thousand tokens, a chunk of the MLP's down projection):
         # each program would walk all of K alone, latency-bound. Split K so every SM gets about two
         # programs, each still at least four K steps long; the fp32 partials are M * R * 4 bytes each.
         sms = _num_sms(x.device)
-        split = 1 if row_blocks >= sms else min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(K, 4 * block_k))
-    k_per_split = triton.cdiv(triton.cdiv(K, max(split, 1)), block_k) * block_k
-    split = triton.cdiv(K, k_per_split)  # no empty splits
-    # Deterministic: each split writes its own [M, R] slab, summed below in a fixed order (no atomics).
-    partial = torch.empty((split, M, R), dtype=torch.float32, device=x.device)
-    grid = (row_blocks, triton.cdiv(R, block_r), split)
+        split = 1 if row_blocks >= sms else min(cdiv(2 * sms, row_blocks), cdiv(K, 4 * block_k))
+    k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
+    split = cdiv(K, k_per_split)  # no empty splits
+    # Deterministic: each split writes its own slab, summed below in a fixed order (no atomics). The
+    # slabs are [R, M]: the result is handed out token-major ([M, R] with strides (1, M)), the layout
+    # lora_weight_grad wants its left operand in, so xa and dY @ B reach it without a transposed copy.
+    partial = torch.empty((split, R, M), dtype=torch.float32, device=x.device)
+    grid = (row_blocks, cdiv(R, block_r), split)
     _lora_shrink_kernel[grid](
         x, weight, partial,
         M, K, R, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2),
+        partial.stride(0), partial.stride(2), partial.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
         DOT_PRECISION=_dot_precision(x.dtype, weight.dtype), DOT_MODE=mode,
         num_warps=8 if block_r > 64 else 4, num_stages=4,
     )  # fmt: skip
-    return partial[0] if split == 1 else partial.sum(dim=0)
+    return (partial[0] if split == 1 else partial.sum(dim=0)).T
 
 
 def _lora_expand_add_triton(
@@ -271,9 +278,11 @@ def _lora_expand_add_triton(
     scale: float,
     out_dtype: torch.dtype,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     block_r: int | None = None,
     out: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     M, N = base.shape
     R = left.shape[1]
@@ -285,10 +294,13 @@ def _lora_expand_add_triton(
     # took 214us instead of 104us on an H200 (M=8192, N=4096, rank 64), so copy that small adapter.
     right = right if right.stride(1) == 1 else right.contiguous()
     block_r = block_r or _rank_block(R, cap=64)
-    # H200, M=8192, rank 16, in place (benchmarks/tune_lora_terms.py): 64 x 64 tiles, 2 stages took
-    # 181us at N=14336 (2.6 TB/s) against 202us for 64 x 128. Tiles that loop over several column
-    # blocks per program were no faster (201us).
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    # H200, M=8192, rank 16, in place (benchmarks/tune_lora_terms.py): with fp32 adapters 64 x 64
+    # tiles, 2 stages took 181us at N=14336 (2.6 TB/s) against 202us for 64 x 128; with bf16 ones
+    # 64 x 128, 3 stages took 159us against 177us for 64 x 64 (42 tile/warp/stage configs each).
+    # Tiles that loop over several column blocks per program were no faster (201us).
+    if block_n is None:
+        block_n, num_stages = (64, num_stages) if right.dtype == torch.float32 else (128, 3)
+    grid = (cdiv(N, block_n), cdiv(M, block_m))
     _lora_expand_add_kernel[grid](
         base, left, right, out,
         M, N, R, float(scale),
@@ -296,7 +308,7 @@ def _lora_expand_add_triton(
         right.stride(0), right.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION=_dot_precision(left.dtype, right.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -328,15 +340,15 @@ def _lora_weight_grad_triton(
     # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
     # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster.
     block_m = block_m or (128 if block_r >= 32 and K <= 8192 else 64)
-    tiles = triton.cdiv(K, block_k) * triton.cdiv(R, block_r)
+    tiles = cdiv(K, block_k) * cdiv(R, block_r)
     if split is None:
         # Split the token dimension only as far as needed to give every SM two programs.
-        split = min(triton.cdiv(2 * _num_sms(x.device), tiles), triton.cdiv(M, _MIN_ROWS_PER_SPLIT))
-    rows_per_split = triton.cdiv(triton.cdiv(M, max(split, 1)), block_m) * block_m
-    split = triton.cdiv(M, rows_per_split)  # no empty splits
+        split = min(cdiv(2 * _num_sms(x.device), tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+    rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
+    split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: each split writes its own [R, K] slab, summed below in a fixed order (no atomics).
     partial = torch.empty((split, R, K), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(K, block_k), split, triton.cdiv(R, block_r))
+    grid = (cdiv(K, block_k), split, cdiv(R, block_r))
     _lora_weight_grad_kernel[grid](
         left, x, partial,
         M, R, K, float(scale), rows_per_split,
@@ -425,12 +437,12 @@ def _lora_shrink_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with fp32 accumulation.
 
     x: [M, K] float32/bfloat16/float16; weight: [R, K], any of those dtypes (may differ from x's) and
-    any strides (``lora_b.T`` is fine). Returns [M, R] float32, contiguous.
+    any strides (``lora_b.T`` is fine). Returns [M, R] float32, token-major (strides (1, M)).
     """
     _check_shrink(x, weight)
     if runs_triton(x):
         return _lora_shrink_triton(x=x, weight=weight)
-    return reference.lora_shrink(x, weight).contiguous()
+    return reference.lora_shrink(x, weight).T.contiguous().T
 
 
 lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_shrink_body, mutates_args=())
@@ -439,7 +451,7 @@ lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_s
 @lora_shrink_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_shrink(x, weight)
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    return x.new_empty((weight.shape[0], x.shape[0]), dtype=torch.float32).T
 
 
 def lora_expand_add(

@@ -1,0 +1,277 @@
+"""The gated activation's backward fused with the down projection's dA: one pass over dh, gate and up.
+
+For ``h = act(gate) * up`` feeding ``y = h Wd^T + s (h Ad^T) Bd^T``, the backward of a chunk of token
+rows needs, besides dh:
+
+* ``grad_gate = dh * up * act'(gate)`` and ``grad_up = dh * act(gate)``, written into gate and up
+  themselves (the MLP owns those buffers and needs them no more);
+* ``grad_weight = scale * left^T @ h``, dA_down's share (``left = dY @ Bd``, fp32 ``[M, R]``), with h
+  recomputed in fp32 and rounded to gate's dtype, as the forward stored it and as the unfused path
+  (``gated_act_forward``, then ``lora_weight_grad``) reads it.
+
+Unfused that is three launches and nine passes over ``[M, I]`` tensors (recompute h: 3, read h: 1,
+activation backward: 5); here one kernel reads dh, gate and up once and writes the two gradients:
+five passes, plus an fp32 ``[split, R, I]`` partial sum. At Llama-8B shapes (8192 tokens, I = 14336,
+bf16) that is 4 x 224 MiB less traffic per MLP backward, ~0.2 ms at the H200's 4.3 TB/s.
+
+Shapes and dtypes: ``grad_h, gate, up: [M, I]`` as for :mod:`.gated_act` (gate and up float32,
+bfloat16 or float16, any row stride: the two halves of one ``[M, 2I]`` gate_up output are fine), plus
+a unit column stride for gate and up, which are written in place; ``left: [M, R]`` float32 (float64
+with a float64 gate), any strides. Returns ``[R, I]`` in left's dtype.
+
+The op is ``fastlora::gated_act_backward_weight_grad_`` (mutates gate and up) with a fake
+implementation; it runs the Triton kernel when ``runs_triton(gate)`` says so and the pure-torch
+reference (:func:`.gated_act_reference.gated_act_backward_weight_grad`) otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gated_act_reference as _reference
+from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from ._launch import CachedKernel, cdiv
+from .gated_act import (
+    _activation_and_derivative,
+    _check_inputs,
+    _gated_act_backward_triton,
+    _unit_column_stride,
+)
+from .lora_terms import _FP32_DOT_PRECISION, _num_sms, _rank_block
+
+_OP = "gated_act_backward_weight_grad_"
+
+# Fewest token rows one split covers. Each split writes and the sum re-reads an [R, I] fp32 partial
+# (8 * R * I bytes) against the 10 * rows * I bytes of 16-bit dh, gate, up, grad_gate and grad_up it
+# streams: at rank 64 and 512 rows the partials add 10% to the traffic, so splits stop there.
+_MIN_ROWS_PER_SPLIT = 512
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel. Row offsets are widened to int64 before they meet a stride (M * stride passes 2**31 at 16k
+# tokens of a [M, 2 * 65536] gate_up); column and rank offsets stay int32.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rank_block_pass(
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr,
+    offs_i, mask_i, r0, R, m_start, m_end, scale,
+    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
+    ACTIVATION: tl.constexpr, STORE_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[r0 : r0 + BLOCK_R, offs_i] = scale * Left[rows, r0 : ...]^T @ h[rows, offs_i] over rows
+    [m_start, m_end); with STORE_GRADS, also gate, up <- grad_gate, grad_up on those rows and columns."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_m = tl.arange(0, BLOCK_M)
+    # Computed as Out^T[I, R] = h^T @ Left, as lora_terms' weight-grad kernel does (91 against 189us
+    # there on an H200): h^T, made in registers, is tl.dot's first operand in any layout, and the fp32
+    # second operand wants its token dim contiguous, which the launcher arranges for Left.
+    acc = tl.zeros((BLOCK_I, BLOCK_R), dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + offs_m
+        mask_m = rows < m_end
+        rows = rows.to(tl.int64)
+        mask = mask_i[:, None] & mask_m[None, :]
+        # [BLOCK_I, BLOCK_M] tiles through transposed pointers; masked elements give h = 0.
+        gate_ptrs = Gate_ptr + rows[None, :] * stride_gate_m + offs_i[:, None]
+        up_ptrs = Up_ptr + rows[None, :] * stride_up_m + offs_i[:, None]
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+        act, dact = _activation_and_derivative(gate, ACTIVATION)
+        if STORE_GRADS:  # this program loaded these gate/up elements just now, and no other reads them
+            grad_h_ptrs = Grad_h_ptr + rows[None, :] * stride_grad_h_m + offs_i[:, None]
+            grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(gate_ptrs, (grad_h * up * dact).to(Gate_ptr.dtype.element_ty), mask=mask)
+            tl.store(up_ptrs, (grad_h * act).to(Up_ptr.dtype.element_ty), mask=mask)
+        # h as the forward stored it: rounded once to gate's dtype (a no-op for fp32).
+        h_t = (act * up).to(Gate_ptr.dtype.element_ty).to(tl.float32)
+        left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(h_t, left, acc, input_precision=DOT_PRECISION)
+    out_ptrs = Out_ptr + offs_i[:, None] * stride_oi + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, scale * acc, mask=mask_i[:, None] & mask_r[None, :])
+
+
+@CachedKernel
+@triton.jit
+def _gated_act_backward_weight_grad_kernel(
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr,
+    M, n_cols, R, scale, rows_per_split,
+    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_os, stride_or, stride_oi,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """gate, up <- grad_gate, grad_up and Out[s, R, I] = scale * Left[M_s, R]^T @ h[M_s, I] over split
+    s's rows M_s = [s * rows_per_split, ...). One program per (BLOCK_I columns, split); the caller sums
+    the splits."""
+    pid_i = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < n_cols
+    m_start = pid_s * rows_per_split
+    m_end = tl.minimum(m_start + rows_per_split, M)
+    out_ptr = Out_ptr + pid_s * stride_os
+    # Ranks above BLOCK_R take one pass over the program's rows per rank block, and only the last pass
+    # writes the gradients: a third grid axis of rank blocks (as lora_terms has) would let one program
+    # overwrite gate/up that another has yet to read. Up to rank 64, the only pass is the last.
+    last_r0 = (R - 1) // BLOCK_R * BLOCK_R
+    for r0 in range(0, last_r0, BLOCK_R):
+        _rank_block_pass(
+            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr,
+            offs_i, mask_i, r0, R, m_start, m_end, scale,
+            stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
+            ACTIVATION=ACTIVATION, STORE_GRADS=False, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
+            DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    _rank_block_pass(
+        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr,
+        offs_i, mask_i, last_r0, R, m_start, m_end, scale,
+        stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
+        ACTIVATION=ACTIVATION, STORE_GRADS=True, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
+        DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launcher. Keyword-only block sizes default to the GPU choice; tests pass small ones to cover
+# several tiles, splits and rank passes on tiny shapes. H200, one 2048-row chunk of I = 14336, bf16,
+# rank 16 (`python -m benchmarks.tune_lora_terms --gated`, 72 configs): 32 x 64 tiles, 4 warps,
+# 2 stages, 2 programs per SM took 136us (2.2 TB/s) against 157us for the three launches it replaces
+# and 183us with 64-row tiles.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gated_act_backward_weight_grad_triton(
+    *,
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    left: torch.Tensor,
+    scale: float,
+    split: int | None = None,
+    block_m: int = 32,
+    block_i: int = 64,
+    block_r: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    split_per_sm: int = 2,
+) -> torch.Tensor:
+    M, n_cols = gate.shape
+    R = left.shape[1]
+    if M == 0 or n_cols == 0 or R == 0:
+        if R == 0:  # no weight gradient, but gate/up still become their gradients
+            _gated_act_backward_triton(grad_h, gate, up, activation, in_place=True)
+        return torch.zeros((R, n_cols), dtype=torch.float32, device=gate.device)
+    grad_h = _unit_column_stride(grad_h)
+    # Left's token dim contiguous, as lora_terms' weight grad wants it: M * R * 4 bytes, 0.5 MB for
+    # a 2048-row chunk at rank 64.
+    left = left if left.stride(0) == 1 else left.T.contiguous().T
+    block_r = block_r or _rank_block(R, cap=64)
+    col_tiles = cdiv(n_cols, block_i)
+    if split is None:
+        # Split the tokens only as far as needed to give every SM two programs: a 2048-row chunk at
+        # I = 14336 has 224 column tiles, 2 splits on an H200's 132 SMs.
+        split = min(cdiv(split_per_sm * _num_sms(gate.device), col_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+    rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
+    split = cdiv(M, rows_per_split)  # no empty splits
+    # Deterministic: each split writes its own [R, I] slab, summed below in a fixed order (no atomics).
+    partial = torch.empty((split, R, n_cols), dtype=torch.float32, device=gate.device)
+    grid = (col_tiles, split)
+    _gated_act_backward_weight_grad_kernel[grid](
+        grad_h, gate, up, left, partial,
+        M, n_cols, R, float(scale), rows_per_split,
+        grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
+        # left is fp32: plain tf32 would keep 10 of its mantissa bits (see lora_terms).
+        DOT_PRECISION=_FP32_DOT_PRECISION,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return partial[0] if split == 1 else partial.sum(dim=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public op: checks, dispatch, fake implementation.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_weight_grad_inputs(
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, left: torch.Tensor
+) -> None:
+    _check_inputs(gate, up, activation, grad_h)
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"{_OP}: gate and up need a unit column stride to be written in place")
+    if left.dim() != 2 or left.shape[0] != gate.shape[0]:
+        raise ValueError(
+            f"left: expected a 2-D tensor [M, R] with M={gate.shape[0]} (gate's rows), "
+            f"got shape {tuple(left.shape)}"
+        )
+    # fp32 (a lora_shrink output); float64 only beside a float64 gate, where the reference runs.
+    expected = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    if left.dtype != expected:
+        raise ValueError(f"left: expected dtype {expected} (with a {gate.dtype} gate), got {left.dtype}")
+    if left.device != gate.device:
+        raise ValueError(f"left: expected device {gate.device} (gate's), got {left.device}")
+
+
+def gated_act_backward_weight_grad_(
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    left: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """In place: gate <- grad_gate, up <- grad_up (as ``gated_act_backward_``); returns
+    ``scale * left.T @ h`` [R, I] with ``h = act(gate) * up`` rounded to gate's dtype.
+
+    `fastlora::gated_act_backward_weight_grad_` (see the module docstring for shapes and dtypes).
+    """
+    if skips_op_dispatch(grad_h, gate, up, left):
+        return _gated_act_backward_weight_grad_body(grad_h, gate, up, activation, left, scale)
+    return gated_act_backward_weight_grad_op(grad_h, gate, up, activation, left, scale)
+
+
+def _gated_act_backward_weight_grad_body(
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    left: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    _check_weight_grad_inputs(grad_h, gate, up, activation, left)
+    if runs_triton(gate):
+        return _gated_act_backward_weight_grad_triton(
+            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale
+        )
+    grad_gate, grad_up, grad_weight = _reference.gated_act_backward_weight_grad(
+        grad_h, gate, up, activation, left, scale
+    )
+    gate.copy_(grad_gate)
+    up.copy_(grad_up)
+    return grad_weight
+
+
+gated_act_backward_weight_grad_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::{_OP}", _gated_act_backward_weight_grad_body, mutates_args=("gate", "up")
+)
+
+
+@gated_act_backward_weight_grad_op.register_fake
+def _(
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    left: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    _check_weight_grad_inputs(grad_h, gate, up, activation, left)
+    return left.new_empty((left.shape[1], gate.shape[1]))
