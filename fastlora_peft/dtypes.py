@@ -17,7 +17,8 @@ Contract (what PEFT returns for the same layout, made explicit):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import contextlib
+from typing import ContextManager, NamedTuple, Optional
 
 import torch
 
@@ -25,6 +26,14 @@ import torch
 class DtypePlan(NamedTuple):
     compute_dtype: torch.dtype  # operands of the base matmul: x is cast to it (only if it differs), W too
     out_dtype: torch.dtype  # the layer's output
+
+
+def autocast_off(device_type: str) -> ContextManager:
+    """Autocast switched off for `device_type` inside (the plans already hold every dtype), entered
+    only when it is on: `torch.autocast(..., enabled=False)` costs host time on every call."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:

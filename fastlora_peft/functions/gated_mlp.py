@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..dtypes import DtypePlan
+from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_, gated_act_forward
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
@@ -197,7 +197,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
         x_2d = x.reshape(-1, x.shape[-1])
         grad_2d = grad_out.reshape(x_2d.shape[0], grad_out.shape[-1])
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             # Down projection: dB and the bias grad need no h, so they are made whole (x_2d=None: h is
             # read only for dA); dA_down and dh (which becomes the gate/up gradients) are made chunk
             # by chunk, see `_down_backward_`.
@@ -231,5 +231,5 @@ def fused_gated_mlp(
 ) -> torch.Tensor:
     """Runs `LoraGatedMlpFunction` on (gate, up, down) or (gate_up, down), autocast off inside."""
     tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         return LoraGatedMlpFunction.apply(x, plan, activation, layout, *tensors)

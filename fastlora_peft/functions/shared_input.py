@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import DtypePlan
+from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink, lora_weight_grad
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
@@ -261,7 +261,7 @@ class LoraSharedInputFunction(torch.autograd.Function):
             None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs
         ]
         x_lora_2d = None if x_lora is None else x_lora.reshape(x_2d.shape)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             grads = shared_input_backward(
                 x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases,
                 x_lora_2d, ctx.needs_input_grad[1],
@@ -285,5 +285,5 @@ def fused_lora_projections(
     x_lora: x after lora_dropout, read by the LoRA terms instead of x; None when there is no dropout.
     """
     tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         return LoraSharedInputFunction.apply(x, x_lora, plan, layout, *tensors)

@@ -181,19 +181,19 @@ def _gated_act_backward_weight_grad_triton(
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: each split writes its own [R, I] slab, summed below in a fixed order (no atomics).
-    partial = torch.empty((split, R, n_cols), dtype=torch.float32, device=gate.device)
+    partial = torch.empty((split * R, n_cols), dtype=torch.float32, device=gate.device)
     grid = (col_tiles, split)
     _gated_act_backward_weight_grad_kernel[grid](
         grad_h, gate, up, left, partial,
         M, n_cols, R, float(scale), rows_per_split,
         grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2),
+        R * n_cols, n_cols, 1,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
         # left is fp32: plain tf32 would keep 10 of its mantissa bits (see lora_terms).
         DOT_PRECISION=_FP32_DOT_PRECISION,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return partial[0] if split == 1 else partial.sum(dim=0)
+    return partial if split == 1 else partial.view(split, R, n_cols).sum(dim=0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -256,18 +256,19 @@ def _lora_shrink_triton(
     # Deterministic: each split writes its own slab, summed below in a fixed order (no atomics). The
     # slabs are [R, M]: the result is handed out token-major ([M, R] with strides (1, M)), the layout
     # lora_weight_grad wants its left operand in, so xa and dY @ B reach it without a transposed copy.
-    partial = torch.empty((split, R, M), dtype=torch.float32, device=x.device)
+    # One allocation and no indexing op when there is one split (each aten call costs host time).
+    partial = torch.empty((split * R, M), dtype=torch.float32, device=x.device)
     grid = (row_blocks, cdiv(R, block_r), split)
     _lora_shrink_kernel[grid](
         x, weight, partial,
         M, K, R, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        partial.stride(0), partial.stride(2), partial.stride(1),
+        R * M, 1, M,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
         DOT_PRECISION=_dot_precision(x.dtype, weight.dtype), DOT_MODE=mode,
         num_warps=8 if block_r > 64 else 4, num_stages=4,
     )  # fmt: skip
-    return (partial[0] if split == 1 else partial.sum(dim=0)).T
+    return (partial if split == 1 else partial.view(split, R, M).sum(dim=0)).T
 
 
 def _lora_expand_add_triton(
@@ -347,18 +348,18 @@ def _lora_weight_grad_triton(
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: each split writes its own [R, K] slab, summed below in a fixed order (no atomics).
-    partial = torch.empty((split, R, K), dtype=torch.float32, device=x.device)
+    partial = torch.empty((split * R, K), dtype=torch.float32, device=x.device)
     grid = (cdiv(K, block_k), split, cdiv(R, block_r))
     _lora_weight_grad_kernel[grid](
         left, x, partial,
         M, R, K, float(scale), rows_per_split,
         left.stride(0), left.stride(1), x.stride(0), x.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2),
+        R * K, K, 1,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
         num_warps=8, num_stages=3,
     )  # fmt: skip
-    return partial[0] if split == 1 else partial.sum(dim=0)
+    return partial if split == 1 else partial.view(split, R, K).sum(dim=0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -388,8 +389,9 @@ def _check_fp32(op: str, name: str, tensor: torch.Tensor) -> None:
 
 
 def _check_devices(op: str, **tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
+    first, *others = tensors.values()
+    if any(t.device != first.device for t in others):
+        devices = {name: t.device for name, t in tensors.items()}
         raise ValueError(f"{op}: all inputs must be on one device, got {devices}")
 
 
