@@ -129,6 +129,12 @@ class SharedInputGroup(BlockGroup):
         """`member`'s output for `x` from the group's fused call, or None (the member runs itself)."""
         if self._depth == 0:
             return None
+        if torch.compiler.is_compiling():
+            # Under torch.compile each member runs its own fused projection: handing pending outputs
+            # over needs `x._version` (an in-place change of x between member calls must not get a
+            # stale output), which dynamo cannot guard on, so every member call broke the graph.
+            # Unbroken graphs (and CUDA graphs over them) are worth more than one pass over x.
+            return None
         index = self.members.index(member)
         if x is self._pending_input and x._version == self._pending_version and index in self._pending:
             return self._pending.pop(index)

@@ -8,7 +8,7 @@ import torch
 
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
-from fastlora_peft.functions.gated_mlp import LoraGatedMlpFunction, fused_gated_mlp
+from fastlora_peft.functions.gated_mlp import GatedMlpSettings, fused_gated_mlp
 from fastlora_peft.functions.shared_input import fused_lora_projections
 
 F64 = torch.float64
@@ -66,7 +66,7 @@ def test_shared_input_function_honours_needs_input_grad():
 @pytest.fixture
 def keep_saved_preactivations(monkeypatch):
     """gradcheck runs backward many times through one graph: keep the saved gate/up intact."""
-    monkeypatch.setattr(LoraGatedMlpFunction, "overwrite_saved_preactivations", False)
+    monkeypatch.setattr(GatedMlpSettings, "overwrite_saved_preactivations", False)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

@@ -16,7 +16,7 @@ from conftest import TRITON_INTERPRET, assert_rel_close
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions import gated_mlp
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
-from fastlora_peft.functions.gated_mlp import LoraGatedMlpFunction, fused_gated_mlp, token_chunks
+from fastlora_peft.functions.gated_mlp import GatedMlpSettings, fused_gated_mlp, token_chunks
 
 HIDDEN, INTERMEDIATE, TOKENS = 10, 24, 37
 ONE_CHUNK = 2**40
@@ -78,7 +78,7 @@ def bytes_for_chunks(
 
 def run_mlp(monkeypatch, chunk_bytes, x, bases, loras, activation):
     """The output and the gradient of every trainable tensor, for a fixed random upstream gradient."""
-    monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", chunk_bytes)
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", chunk_bytes)
     plan = DtypePlan(x.dtype, x.dtype)
     out = fused_gated_mlp(x, bases, loras, plan, activation)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
@@ -124,7 +124,7 @@ def test_token_chunks_cover_every_row_once_in_near_equal_chunks(tokens, chunk_by
 @pytest.mark.parametrize("tokens, expected", [(2048, [2048]), (8192, [2048] * 4), (4096, [2048] * 2)])
 def test_token_chunks_at_llama_8b_shapes(tokens, expected):
     # 2048 x 14336 bf16 is 56 MiB: one chunk, the launches of the unchunked MLP; 8192 tokens: four.
-    chunks = token_chunks(tokens, LLAMA_8B_INTERMEDIATE, BF16_BYTES, LoraGatedMlpFunction.chunk_bytes)
+    chunks = token_chunks(tokens, LLAMA_8B_INTERMEDIATE, BF16_BYTES, GatedMlpSettings.chunk_bytes)
     assert [chunk.stop - chunk.start for chunk in chunks] == expected
 
 
@@ -184,7 +184,7 @@ def test_chunks_without_down_lora_a_grad_never_recompute_h(monkeypatch, call_row
 
 def test_chunks_keep_the_second_backward_error(monkeypatch):
     x, bases, loras = random_mlp("gate-up-down", torch.float64, seed=2)
-    monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", bytes_for_chunks(3, torch.float64))
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", bytes_for_chunks(3, torch.float64))
     out = fused_gated_mlp(x, bases, loras, DtypePlan(torch.float64, torch.float64), "silu")
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="overwrite_saved_preactivations"):
@@ -198,9 +198,9 @@ def test_chunks_keep_the_second_backward_error(monkeypatch):
 @pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
 def test_chunked_gated_mlp_gradcheck(monkeypatch, mlp_layout, activation):
     # gradcheck runs backward many times through one graph: keep the saved gate/up intact.
-    monkeypatch.setattr(LoraGatedMlpFunction, "overwrite_saved_preactivations", False)
+    monkeypatch.setattr(GatedMlpSettings, "overwrite_saved_preactivations", False)
     tokens = 7
-    monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", bytes_for_chunks(3, torch.float64, tokens))
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", bytes_for_chunks(3, torch.float64, tokens))
     x, bases, loras = random_mlp(mlp_layout, torch.float64, tokens=tokens, seed=3)
     plan = DtypePlan(torch.float64, torch.float64)
 
@@ -261,7 +261,7 @@ def test_chunks_under_other_dtype_layouts(monkeypatch, call_rows, mlp_layout, la
         bases = [nf4_base(base) for base in bases]
 
     def run(chunk_bytes):
-        monkeypatch.setattr(LoraGatedMlpFunction, "chunk_bytes", chunk_bytes)
+        monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", chunk_bytes)
         out = fused_gated_mlp(x, bases, loras, plan, "silu")
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
         return out.detach(), torch.autograd.grad(out, trainable_tensors(x, bases, loras), grad_out)

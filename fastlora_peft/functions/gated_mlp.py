@@ -23,7 +23,7 @@ launches as unchunked (see `_CHUNK_BYTES`).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -40,8 +40,9 @@ from .shared_input import (
 )
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
-# apply(x, plan, activation, layout, *tensors)
-_FIRST_TENSOR_ARG = 4
+# apply(x, plan, activation, settings, layout, *tensors)
+_FIRST_TENSOR_ARG = 5
+
 
 # The most bytes of h per chunk. 2048 x 14336 bf16 (56 MiB) stays one chunk: the launches of the
 # unchunked block, which matter where launches dominate. At 8192 tokens, four chunks of 2048 rows:
@@ -144,6 +145,25 @@ def _down_backward_(
     return grad_a
 
 
+class GatedMlpSettings:
+    """Knobs of the fused gated MLP, read by `fused_gated_mlp` at every call and handed to the Function
+    (a plain class: torch.compile traces reads of its attributes, not of an autograd.Function's)."""
+
+    # Backward writes the gate/up gradients into the saved gate/up buffers (two [tokens, I] tensors
+    # less at the peak). False keeps them, for a second backward through the same graph.
+    overwrite_saved_preactivations = True
+    # The most bytes of h per chunk of the down projection, read at forward (backward reuses the
+    # forward's chunks). Tests lower it to run several chunks on tiny shapes.
+    chunk_bytes = _CHUNK_BYTES
+
+
+class _MlpSettings(NamedTuple):
+    """`GatedMlpSettings` as read for one call."""
+
+    chunk_bytes: int
+    overwrite_saved_preactivations: bool
+
+
 class LoraGatedMlpFunction(torch.autograd.Function):
     """Forward and backward of `down(act(gate(x)) * up(x))` with a LoRA adapter on each projection.
 
@@ -153,24 +173,19 @@ class LoraGatedMlpFunction(torch.autograd.Function):
     dtype; every adapter gradient has its adapter's dtype and is accumulated in fp32.
     """
 
-    # Backward writes the gate/up gradients into the saved gate/up buffers (two [tokens, I] tensors
-    # less at the peak). False keeps them, for a second backward through the same graph.
-    overwrite_saved_preactivations = True
-    # The most bytes of h per chunk of the down projection, read at forward (backward reuses the
-    # forward's chunks). Tests lower it to run several chunks on tiny shapes.
-    chunk_bytes = _CHUNK_BYTES
-
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: DtypePlan, activation: str, layout, *tensors: torch.Tensor):
+    def forward(
+        ctx, x: torch.Tensor, plan: DtypePlan, activation: str, settings: _MlpSettings, layout, *tensors
+    ):
         bases, loras = unflatten_tensors(layout, tensors)
         x_2d = x.reshape(-1, x.shape[-1])
         pre_activations, xa_in = shared_input_forward(x_2d, bases[:-1], loras[:-1], plan)
         gate, up = _gate_and_up(pre_activations)
-        chunks = token_chunks(*gate.shape, gate.element_size(), LoraGatedMlpFunction.chunk_bytes)
+        chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
         down_base = _dense_base(bases[-1], plan)
         out, ha_down = _down_forward(gate, up, activation, down_base, loras[-1], plan, chunks)
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
-        ctx.overwrite = LoraGatedMlpFunction.overwrite_saved_preactivations
+        ctx.overwrite = settings.overwrite_saved_preactivations
         ctx.pre_activation_count = len(pre_activations)
         ctx.save_for_backward(x, xa_in, ha_down, *pre_activations, *tensors)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -183,8 +198,8 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             if ctx.overwrite and "inplace operation" in str(error):
                 raise RuntimeError(
                     "fastlora_peft: a second backward through a fused gated MLP: its first backward "
-                    "reused the saved gate/up buffers. Set LoraGatedMlpFunction."
-                    "overwrite_saved_preactivations = False (fastlora_peft.functions.gated_mlp) before "
+                    "reused the saved gate/up buffers. Set GatedMlpSettings.overwrite_saved_preactivations "
+                    "= False (fastlora_peft.functions.gated_mlp) before "
                     "the forward to keep them."
                 ) from error
             raise
@@ -219,7 +234,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             )  # fmt: skip
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
         grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
-        return (grad_x, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))
+        return (grad_x, None, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))
 
 
 def fused_gated_mlp(
@@ -232,4 +247,5 @@ def fused_gated_mlp(
     """Runs `LoraGatedMlpFunction` on (gate, up, down) or (gate_up, down), autocast off inside."""
     tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
     with autocast_off(x.device.type):
-        return LoraGatedMlpFunction.apply(x, plan, activation, layout, *tensors)
+        settings = _MlpSettings(GatedMlpSettings.chunk_bytes, GatedMlpSettings.overwrite_saved_preactivations)
+        return LoraGatedMlpFunction.apply(x, plan, activation, settings, layout, *tensors)
