@@ -12,18 +12,31 @@ import re
 
 import pytest
 import torch
-from conftest import count_lora_sublayer_calls, lora_grads, randomize_lora, tiny_llama_config
+from conftest import (
+    assert_rel_close,
+    count_lora_sublayer_calls,
+    lora_grads,
+    randomize_lora,
+    tiny_llama_config,
+)
 from peft import get_peft_model
 from transformers import LlamaForCausalLM
 
 from fastlora_peft import FastLoraConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Compiled against eager. fp32: bit-identical but for the order of fp32 sums. bf16 base: k and v come
+# from their own shrink instead of the group's stacked one (another fp32 summation order), so a few
+# k/v elements round to the other bf16 neighbour and attention carries that on: 2.1e-3 measured for
+# the k/v adapter gradients, 0 elsewhere. A lost scale, an unfused block or a skipped term is O(1).
+GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def tiny_fastlora_llama():
+def tiny_fastlora_llama(dtype: torch.dtype = torch.float32):
+    """A one-layer Llama with FastLora on every projection; a 16-bit base keeps PEFT's default fp32
+    adapters (`autocast_adapter_dtype=True`)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(use_cache=False)).train()
+    model = LlamaForCausalLM(tiny_llama_config(use_cache=False)).to(dtype).train()
     model = get_peft_model(model, FastLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
     randomize_lora(model, seed=1, std=0.1)
     return model
@@ -62,8 +75,9 @@ def test_whole_model_is_one_graph_with_the_fused_functions_inside():
     assert "gated_act_backward_weight_grad_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
 
 
-def test_compiled_loss_and_adapter_grads_equal_eager():
-    model = tiny_fastlora_llama()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32adapters"])
+def test_compiled_loss_and_adapter_grads_equal_eager(dtype):
+    model = tiny_fastlora_llama(dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     eager_loss = loss_of(model, ids)
     eager_loss.backward()
@@ -79,4 +93,5 @@ def test_compiled_loss_and_adapter_grads_equal_eager():
     grads = lora_grads(model)
     assert grads.keys() == eager_grads.keys() and len(grads) == 2 * len(TARGETS)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert grad.dtype == torch.float32, name  # fp32 adapters keep fp32 gradients
+        assert_rel_close(grad, eager_grads[name], GRAD_TOLERANCE[dtype], name)
