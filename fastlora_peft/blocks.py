@@ -66,6 +66,19 @@ class BlockGroup:
             if member.__dict__.get("fastlora_group") is self:
                 del member.__dict__["fastlora_group"]
 
+    def count_call(self, unfused_reason: Optional[str] = None) -> None:
+        """Counts a fused call, or an unfused one with its reason, for the report.
+
+        Not while torch.compile traces: dynamo would guard on the counter's value and recompile the
+        model at every step (measured: a recompile per call of the gated MLP, until the cache limit).
+        """
+        if torch.compiler.is_compiling():
+            return
+        if unfused_reason is None:
+            self.fused_calls += 1
+        else:
+            self.unfused_calls[unfused_reason] += 1
+
     def output_for(
         self, member: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]
     ) -> Optional[torch.Tensor]:
@@ -141,7 +154,7 @@ class SharedInputGroup(BlockGroup):
         reason = _group_blocker(self.members, x, kwargs)
         plan = self.plan(x) if reason is None else None
         if plan is None:
-            self.unfused_calls[reason or "members' dtype plans differ"] += 1
+            self.count_call(reason or "members' dtype plans differ")
             return None
         adapter_names = self.members[0].present_active_adapters()
         outputs = fused_lora_projections(
@@ -150,7 +163,7 @@ class SharedInputGroup(BlockGroup):
             [m.lora_weights(adapter_names) for m in self.members],
             plan,
         )
-        self.fused_calls += 1
+        self.count_call()
         self._pending = {i: out for i, out in enumerate(outputs) if i != index}
         self._pending_input, self._pending_version = x, x._version
         return outputs[index]
@@ -183,10 +196,10 @@ class GatedMlpGroup(BlockGroup):
             if self.members[-1].dtype_plan(hidden_probe) != plan:
                 plan = None
         if plan is None:
-            self.unfused_calls[reason or "members' dtype plans differ"] += 1
+            self.count_call(reason or "members' dtype plans differ")
             return self.original_forward(x, *args, **kwargs)
         adapter_names = self.members[0].present_active_adapters()
-        self.fused_calls += 1
+        self.count_call()
         return fused_gated_mlp(
             x,
             [m.frozen_base() for m in self.members],

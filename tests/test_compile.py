@@ -95,3 +95,17 @@ def test_compiled_loss_and_adapter_grads_equal_eager(dtype):
     for name, grad in grads.items():
         assert grad.dtype == torch.float32, name  # fp32 adapters keep fp32 gradients
         assert_rel_close(grad, eager_grads[name], GRAD_TOLERANCE[dtype], name)
+
+
+def test_later_steps_reuse_the_compiled_graph():
+    """No recompilation from step to step: a counter the model bumps in traced code (the groups' call
+    counts once were) becomes a guard on its value, so every step compiled anew until the cache
+    limit, after which dynamo runs the frame eagerly."""
+    model = tiny_fastlora_llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    compiled = torch.compile(loss_of, backend="eager", fullgraph=True)
+    compiled(model, ids).backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            compiled(model, ids).backward()
