@@ -3,7 +3,9 @@
 A graph break per block would leave a compiled model host-bound (and CUDA graphs impossible), as
 the q/k/v group's hand-off of pending outputs once did (`x._version` cannot be guarded on: one break
 per member call) and the gated MLP's class-level settings did. Under compile the q/k/v group stands
-down and each member runs its own fused projection; the gated MLP stays one fused call.
+down and each member runs its own fused projection; the gated MLP stays one fused call. Compiled
+against eager: an fp32 model, a bf16 one and an NF4 one (QLoRA), the last two with PEFT's default
+fp32 adapters.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import re
 import pytest
 import torch
 from conftest import (
+    LAYOUTS,
     assert_rel_close,
     count_lora_sublayer_calls,
     lora_grads,
     randomize_lora,
+    tiny_llama_4bit,
     tiny_llama_config,
 )
 from peft import get_peft_model
@@ -30,14 +34,18 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # k/v elements round to the other bf16 neighbour and attention carries that on: 2.1e-3 measured for
 # the k/v adapter gradients, 0 elsewhere. A lost scale, an unfused block or a skipped term is O(1).
 GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+NF4_LAYOUT = next(layout for layout in LAYOUTS if layout.id == "nf4-fp32adapters")
 
 
-def tiny_fastlora_llama(dtype: torch.dtype = torch.float32):
-    """A one-layer Llama with FastLora on every projection; a 16-bit base keeps PEFT's default fp32
-    adapters (`autocast_adapter_dtype=True`)."""
+def tiny_fastlora_llama(dtype: torch.dtype = torch.float32, base_model=None):
+    """A one-layer Llama (or `base_model`) with FastLora on every projection; a 16-bit base keeps
+    PEFT's default fp32 adapters (`autocast_adapter_dtype=True`)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(use_cache=False)).to(dtype).train()
-    model = get_peft_model(model, FastLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    model = base_model or LlamaForCausalLM(tiny_llama_config(use_cache=False)).to(dtype)
+    model.config.use_cache = False
+    model = get_peft_model(
+        model.train(), FastLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    )
     randomize_lora(model, seed=1, std=0.1)
     return model
 
@@ -75,9 +83,14 @@ def test_whole_model_is_one_graph_with_the_fused_functions_inside():
     assert "gated_act_backward_weight_grad_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32adapters"])
-def test_compiled_loss_and_adapter_grads_equal_eager(dtype):
-    model = tiny_fastlora_llama(dtype)
+@pytest.mark.parametrize("base", ["fp32", "bf16", "nf4"], ids=lambda base: f"{base}-base")
+def test_compiled_loss_and_adapter_grads_equal_eager(base, tmp_path_factory):
+    if base == "nf4":  # QLoRA: bitsandbytes' NF4 weights dequantized by our kernel op inside the graph
+        quantized = tiny_llama_4bit(tmp_path_factory, NF4_LAYOUT)
+        model, dtype = tiny_fastlora_llama(base_model=quantized), torch.bfloat16
+    else:
+        dtype = torch.float32 if base == "fp32" else torch.bfloat16
+        model = tiny_fastlora_llama(dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     eager_loss = loss_of(model, ids)
     eager_loss.backward()
