@@ -283,7 +283,7 @@ def _lora_expand_add_triton(
     block_r: int | None = None,
     out: torch.Tensor | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     M, N = base.shape
     R = left.shape[1]
@@ -299,8 +299,9 @@ def _lora_expand_add_triton(
     # tiles, 2 stages took 181us at N=14336 (2.6 TB/s) against 202us for 64 x 128; with bf16 ones
     # 64 x 128, 3 stages took 159us against 177us for 64 x 64 (42 tile/warp/stage configs each).
     # Tiles that loop over several column blocks per program were no faster (201us).
-    if block_n is None:
-        block_n, num_stages = (64, num_stages) if right.dtype == torch.float32 else (128, 3)
+    wide_right = right.dtype == torch.float32
+    block_n = block_n or (64 if wide_right else 128)
+    num_stages = num_stages or (2 if wide_right else 3)
     grid = (cdiv(N, block_n), cdiv(M, block_m))
     _lora_expand_add_kernel[grid](
         base, left, right, out,
