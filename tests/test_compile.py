@@ -4,8 +4,8 @@ A graph break per block would leave a compiled model host-bound (and CUDA graphs
 the q/k/v group's hand-off of pending outputs once did (`x._version` cannot be guarded on: one break
 per member call) and the gated MLP's class-level settings did. Under compile the q/k/v group stands
 down and each member runs its own fused projection; the gated MLP stays one fused call. Compiled
-against eager: an fp32 model, a bf16 one and an NF4 one (QLoRA), the last two with PEFT's default
-fp32 adapters.
+against eager in every dtype layout of the fused path (fp32, bf16, fp16, fp32 adapters on 16-bit
+bases, NF4 with 16-bit or fp32 adapters, FP4, fp32 activations on NF4).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import (
     LAYOUTS,
+    Layout,
     assert_rel_close,
     count_lora_sublayer_calls,
     lora_grads,
@@ -23,29 +24,39 @@ from conftest import (
     tiny_llama_4bit,
     tiny_llama_config,
 )
-from peft import get_peft_model
+from peft import get_peft_model, prepare_model_for_kbit_training
 from transformers import LlamaForCausalLM
 
 from fastlora_peft import FastLoraConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Compiled against eager. fp32: bit-identical but for the order of fp32 sums. bf16 base: k and v come
-# from their own shrink instead of the group's stacked one (another fp32 summation order), so a few
-# k/v elements round to the other bf16 neighbour and attention carries that on: 2.1e-3 measured for
-# the k/v adapter gradients, 0 elsewhere. A lost scale, an unfused block or a skipped term is O(1).
-GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-NF4_LAYOUT = next(layout for layout in LAYOUTS if layout.id == "nf4-fp32adapters")
+# Compiled against eager: fp32 models bit-identical but for the order of fp32 sums. 16-bit bases: k
+# and v come from their own shrink instead of the group's stacked one (another fp32 summation order),
+# so a few k/v elements round to the other 16-bit neighbour and attention carries that on (2.1e-3
+# measured for bf16 with fp32 adapters, on the k/v adapter gradients only). A lost scale, an unfused
+# block or a skipped term is O(1).
+GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# Every dtype layout of the fused path without autocast: 16-bit and NF4 bases with 16-bit adapters
+# and with PEFT's default fp32 ones, fp32, FP4 on fp16, fp32 activations on NF4.
+COMPILE_LAYOUTS = [layout for layout in LAYOUTS if layout.autocast is None]
 
 
-def tiny_fastlora_llama(dtype: torch.dtype = torch.float32, base_model=None):
-    """A one-layer Llama (or `base_model`) with FastLora on every projection; a 16-bit base keeps
-    PEFT's default fp32 adapters (`autocast_adapter_dtype=True`)."""
-    torch.manual_seed(0)
-    model = base_model or LlamaForCausalLM(tiny_llama_config(use_cache=False)).to(dtype)
+def tiny_fastlora_llama(layout: Layout = LAYOUTS[0], tmp_path_factory=None):
+    """A one-layer Llama in `layout` (4-bit: through BitsAndBytesConfig) with FastLora on every
+    projection and random adapters of the layout's dtype."""
+    if layout.quantized:
+        model = tiny_llama_4bit(tmp_path_factory, layout)
+        if layout.x_dtype == torch.float32:  # QLoRA's recipe: norms and embeddings upcast to fp32
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config()).to(layout.base_dtype)
     model.config.use_cache = False
-    model = get_peft_model(
-        model.train(), FastLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
-    )
+    config = FastLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    model = get_peft_model(model.train(), config, autocast_adapter_dtype=layout.autocast_adapter_dtype)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(layout.adapter_dtype)
     randomize_lora(model, seed=1, std=0.1)
     return model
 
@@ -83,14 +94,9 @@ def test_whole_model_is_one_graph_with_the_fused_functions_inside():
     assert "gated_act_backward_weight_grad_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
 
 
-@pytest.mark.parametrize("base", ["fp32", "bf16", "nf4"], ids=lambda base: f"{base}-base")
-def test_compiled_loss_and_adapter_grads_equal_eager(base, tmp_path_factory):
-    if base == "nf4":  # QLoRA: bitsandbytes' NF4 weights dequantized by our kernel op inside the graph
-        quantized = tiny_llama_4bit(tmp_path_factory, NF4_LAYOUT)
-        model, dtype = tiny_fastlora_llama(base_model=quantized), torch.bfloat16
-    else:
-        dtype = torch.float32 if base == "fp32" else torch.bfloat16
-        model = tiny_fastlora_llama(dtype)
+@pytest.mark.parametrize("layout", COMPILE_LAYOUTS, ids=[layout.id for layout in COMPILE_LAYOUTS])
+def test_compiled_loss_and_adapter_grads_equal_eager(layout: Layout, tmp_path_factory):
+    model = tiny_fastlora_llama(layout, tmp_path_factory)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     eager_loss = loss_of(model, ids)
     eager_loss.backward()
@@ -106,8 +112,8 @@ def test_compiled_loss_and_adapter_grads_equal_eager(base, tmp_path_factory):
     grads = lora_grads(model)
     assert grads.keys() == eager_grads.keys() and len(grads) == 2 * len(TARGETS)
     for name, grad in grads.items():
-        assert grad.dtype == torch.float32, name  # fp32 adapters keep fp32 gradients
-        assert_rel_close(grad, eager_grads[name], GRAD_TOLERANCE[dtype], name)
+        assert grad.dtype == layout.adapter_dtype, name  # fp32 adapters keep fp32 gradients
+        assert_rel_close(grad, eager_grads[name], GRAD_TOLERANCE[layout.base_dtype], name)
 
 
 def test_later_steps_reuse_the_compiled_graph():
