@@ -113,9 +113,9 @@ class FastLoraModel(LoraModel):
         for name, module in self.model.named_modules():
             if not isinstance(module, BaseTunerLayer) or not hasattr(module, "lora_A"):
                 continue
-            active = [a for a in module.active_adapters if a in module.lora_A] or list(module.lora_A.keys())[
-                :1
-            ]
+            # The active adapters, or (none active) the first one, whose static reasons still apply.
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            active = active or list(module.lora_A.keys())[:1]
             reasons = [r for r in (_static_reason(module, a) for a in active) if r is not None]
             runtime = module.__dict__.get("fastlora_fallbacks", {})
             reasons += [f"{reason} (run time, {count} call(s))" for reason, count in runtime.items()]
