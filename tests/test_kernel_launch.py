@@ -120,3 +120,35 @@ def test_reused_kernel_is_the_one_triton_launches():
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@needs_cuda
+def test_cache_hits_call_the_c_launcher_directly_unless_a_launch_hook_is_registered(monkeypatch):
+    """A hit launches through the compiled kernel's C launch function (no Python wrapper), with the
+    same result as Triton's own path; once a launch hook is registered, hits go through Triton's
+    wrapper again, so the hook sees every launch."""
+    from triton import knobs
+
+    device = torch.device("cuda")
+    x = torch.randn(96, 320, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(16, 320, device=device, dtype=torch.bfloat16)
+    expected = x.float() @ weight.float().T
+    cached: CachedKernel = lora_terms._lora_shrink_kernel
+    monkeypatch.setattr(cached, "compiled", {})
+    monkeypatch.setattr(cached, "direct", {})
+    lora_terms.lora_shrink(x, weight)  # a miss: Triton's own path compiles (or loads) the kernel
+    ((key, direct),) = cached.direct.items()
+    assert direct is not None
+    calls = []
+    spy = direct._replace(launch=lambda *args: calls.append(args) or direct.launch(*args))
+    monkeypatch.setitem(cached.direct, key, spy)
+    torch.testing.assert_close(lora_terms.lora_shrink(x, weight), expected, rtol=1e-5, atol=1e-3)
+    assert len(calls) == 1
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        torch.testing.assert_close(lora_terms.lora_shrink(x, weight), expected, rtol=1e-5, atol=1e-3)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(calls) == 1 and len(seen) == 1

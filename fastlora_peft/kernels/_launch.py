@@ -25,12 +25,18 @@ Two calls with the same key therefore get the same Triton specialization key, so
 call's compiled kernel is exactly what Triton's own path would launch (`tests/test_kernel_launch.py`
 checks that against ``kernel[grid]`` on CUDA). Under the Triton interpreter there is no compiled
 kernel: calls go through ``kernel[grid]`` unchanged.
+
+A hit calls the compiled kernel's C launch function itself (`_DirectLaunch`), with what the compiled
+kernel's Python launch wrapper would pass it, when that wrapper would add nothing: no scratch memory,
+and no launch hook registered (Triton 3.6 keeps an empty hook chain, and its wrapper then still builds
+a metadata dict and the C launcher calls both empty chains, on every launch). Otherwise, or when the
+kernel's launcher is not the CUDA one, the hit goes through ``compiled[grid]`` as before.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -55,6 +61,40 @@ def _argument_key(arg: Any) -> Any:
     return (type(arg), arg)
 
 
+class _DirectLaunch(NamedTuple):
+    """What a compiled kernel's launch wrapper hands its C launch function besides grid, stream and args."""
+
+    launch: Callable[..., None]  # the compiled launcher's C `launch` (see triton/backends/nvidia/driver.py)
+    function: int  # the CUfunction handle
+    cooperative: bool
+    pdl: bool
+    packed_metadata: Any
+
+
+def _direct_launch(compiled) -> Optional[_DirectLaunch]:
+    """The C launch of `compiled` when its Python wrapper would only forward to it, else None."""
+    launcher = compiled.run  # loads the module (handles) on first use
+    if type(launcher).__name__ != "CudaLauncher":
+        return None
+    if launcher.global_scratch_size > 0 or launcher.profile_scratch_size > 0:
+        return None  # the wrapper allocates scratch memory per launch
+    return _DirectLaunch(
+        launcher.launch,
+        compiled.function,
+        launcher.launch_cooperative_grid,
+        launcher.launch_pdl,
+        compiled.packed_metadata,
+    )
+
+
+def _launch_hooks_registered() -> bool:
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    # Triton 3.6 holds hook chains (empty when nothing is registered); older versions None or a callable.
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+
+
 class CachedKernel:
     """``CachedKernel(kernel)[grid](*args, **meta)`` launches like ``kernel[grid](*args, **meta)``.
 
@@ -77,6 +117,8 @@ class CachedKernel:
         self.positional_limit = min(constexprs, default=len(parameters))
         # Compiled kernels by our key, kept per instance: each kernel has its own.
         self.compiled: dict[Any, Any] = {}
+        # Their C launch functions (`_DirectLaunch`, or None where Triton's wrapper must run), same key.
+        self.direct: dict[Any, Optional[_DirectLaunch]] = {}
 
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **meta: self.launch(grid, args, meta)
@@ -103,11 +145,23 @@ class CachedKernel:
             if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
                 compiled = compiled.result()
             self.compiled[key] = compiled
+            self.direct[key] = _direct_launch(compiled)
             return
         # The compiled kernel's launcher wants every parameter in signature order, constexprs included.
         parameters = (*args, *(meta[name] for name in self.arg_names[len(args) :]))
-        grid_3d = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        compiled[grid_3d](*parameters)
+        grid_x, grid_y, grid_z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+        direct = self.direct.get(key)
+        if direct is None or _launch_hooks_registered():
+            compiled[grid_x, grid_y, grid_z](*parameters)
+            return
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
+        # The C launch's arguments as the wrapper passes them: grid, stream, function, cooperative,
+        # pdl, the two scratch buffers (none), packed metadata, launch metadata and the two hooks
+        # (none: no hook is registered), then the kernel's parameters.
+        direct.launch(
+            grid_x, grid_y, grid_z, stream, direct.function, direct.cooperative, direct.pdl, None, None,
+            direct.packed_metadata, None, None, None, *parameters,
+        )  # fmt: skip
 
 
 # Host-side launch arithmetic. Triton 3.6's `triton.cdiv` and `triton.next_power_of_2` are
