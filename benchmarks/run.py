@@ -40,6 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--e2e-repeats", type=int, help="timed steps per round of the whole model (default 10)"
     )
+    parser.add_argument(
+        "--autograd-threads",
+        default="worker",
+        choices=("worker", "caller"),
+        help="where every provider's backward runs: autograd's CUDA worker thread (torch's default, "
+        "what a Trainer gets) or the calling thread (torch.autograd.set_multithreading_enabled(False))",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     parser.add_argument("--redraw", type=Path, help="only draw the plots of this results.json into --out")
     return parser.parse_args(argv)
@@ -122,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     # PEFT calls a transformers property deprecated in v5 once per model; it says nothing about the run.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     settings = build_settings(args)
+    # Thread-local, so it holds for every backward this (main) thread starts, every provider alike.
+    # docs/benchmarks.md ("Where the host time goes") says why it matters for fused Functions.
+    torch.autograd.set_multithreading_enabled(args.autograd_threads == "worker")
     suites = [name.strip() for name in args.cases.split(",") if name.strip()]
     unknown = set(suites) - set(SUITES)
     if unknown:
@@ -131,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(settings.device),
         "settings": {
             "smoke": args.smoke, "cases": suites, "geometry": settings.geo.__dict__,
+            "autograd_threads": args.autograd_threads,
             **{k: v for k, v in settings.__dict__.items() if k not in ("geo", "device")},
         },
     }  # fmt: skip
