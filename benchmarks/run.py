@@ -111,14 +111,12 @@ def _plot_title(env: dict[str, Any]) -> str:
 
 
 def redraw(results_json: Path, out_dir: Path) -> int:
-    """Plots from a results.json written earlier (e.g. on the GPU machine, whose files come back few)."""
-    from .plots import draw_all
-
+    """Every output file from a results.json written earlier (the GPU machine's files come back few):
+    the plots, results.csv, results.md and results.txt, and the json itself into `out_dir`."""
     data = json.loads(results_json.read_text())
-    rows = [Row(**record) for record in data["rows"]]
+    rows = [Row(**record) for record in data.pop("rows")]
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path in draw_all(rows, out_dir, _plot_title(data["environment"])):
-        print(path)
+    print(save(rows, data, out_dir, plots=True))
     return 0
 
 
