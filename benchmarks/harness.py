@@ -29,6 +29,27 @@ import torch
 MIB = 2**20
 
 
+def host_and_wall_us(call: Callable[[], object], calls: int, rounds: int = 5) -> tuple[float, float]:
+    """Host and wall time per call of `call` on CUDA, from the round with the least host time.
+
+    For the host-overhead tools (`launch_overhead`, `host_breakdown`): the host clock is read before
+    the closing synchronize, so with work too small to fill the launch queue it is what the Python,
+    the ops' dispatch and the launches cost. This host's timings are noisy: the best round is kept.
+    """
+    for _ in range(20):
+        call()
+    best = (float("inf"), float("inf"))
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        best = min(best, (host / calls * 1e6, (time.perf_counter() - start) / calls * 1e6))
+    return best
+
+
 @dataclass
 class Step:
     forward: Callable[[], Any]

@@ -30,22 +30,7 @@ from fastlora_peft.functions.tensor_groups import flatten_tensors
 from fastlora_peft.kernels import lora_terms as ops
 
 from . import cases
-
-
-def host_and_wall_us(call: Callable[[], object], calls: int, rounds: int = 5) -> tuple[float, float]:
-    """Host and wall time per call, from the round with the least host time (this host is noisy)."""
-    for _ in range(20):
-        call()
-    best = (float("inf"), float("inf"))
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host = time.perf_counter() - start
-        torch.cuda.synchronize()
-        best = min(best, (host / calls * 1e6, (time.perf_counter() - start) / calls * 1e6))
-    return best
+from .harness import host_and_wall_us
 
 
 def step_split_us(forward: Callable[[], torch.Tensor], grad: torch.Tensor, calls: int, rounds: int = 5):

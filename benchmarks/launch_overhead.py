@@ -10,26 +10,19 @@ Triton's own Python launch wrapper instead of the C launch function (`_launch._D
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 
 from fastlora_peft.kernels import _launch, lora_terms
 
+from .harness import host_and_wall_us
+
 launch_hooks_registered = _launch._launch_hooks_registered
 
 
-def host_us(call: Callable[[], object], calls: int = 2000) -> float:
-    for _ in range(50):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+def host_us(call: Callable[[], object]) -> float:
+    return host_and_wall_us(call, calls=2000, rounds=1)[0]
 
 
 def main() -> None:
