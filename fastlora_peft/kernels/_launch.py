@@ -39,6 +39,7 @@ import inspect
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+from triton import knobs
 
 from ._backend import TRITON_INTERPRET
 
@@ -88,8 +89,6 @@ def _direct_launch(compiled) -> Optional[_DirectLaunch]:
 
 
 def _launch_hooks_registered() -> bool:
-    from triton import knobs
-
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     # Triton 3.6 holds hook chains (empty when nothing is registered); older versions None or a callable.
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
