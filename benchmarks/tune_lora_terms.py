@@ -60,7 +60,17 @@ def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
         )
     )
     results = []
-    tiles = ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128), (32, 256), (64, 256))
+    tiles = (
+        (32, 64),
+        (32, 128),
+        (64, 64),
+        (64, 128),
+        (128, 64),
+        (128, 128),
+        (32, 256),
+        (64, 256),
+        (128, 256),
+    )
     for (block_m, block_n), warps, stages in itertools.product(tiles, (4, 8), (1, 2, 3)):
 
         def launch(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
@@ -137,7 +147,13 @@ def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> 
 def main() -> None:
     torch.manual_seed(0)
     bf16, fp32 = torch.bfloat16, torch.float32
-    expand_add_shapes = ((4096, 16, fp32), (14336, 16, fp32), (14336, 16, bf16))
+    expand_add_shapes = (
+        (4096, 16, fp32),
+        (14336, 16, fp32),
+        (14336, 16, bf16),
+        (4096, 16, bf16),
+        (4096, 64, bf16),
+    )
     if "--gated" in sys.argv:
         tune_gated_weight_grad()
         return

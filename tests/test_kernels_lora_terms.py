@@ -131,6 +131,15 @@ def test_lora_expand_add_out_dtype(base_dtype, out_dtype):
     _check_op("lora_expand_add", (base, left, right, SCALE, out_dtype), truth, out_dtype)
 
 
+def test_expand_add_uses_plain_tf32_only_for_16bit_adapters_into_bf16():
+    # Plain tf32 rounds the fp32 bottleneck to 11 bits: below a bf16 output's rounding, not below an
+    # fp16 or fp32 one's, and never for fp32 adapters (the GPU tests check the accuracy it gives).
+    assert lora_terms._expand_dot_precision(BF16, BF16) == "tf32"
+    assert lora_terms._expand_dot_precision(FP16, BF16) == "tf32"
+    for right_dtype, out_dtype in [(FP32, BF16), (BF16, FP16), (FP16, FP16), (BF16, FP32), (FP32, FP32)]:
+        assert lora_terms._expand_dot_precision(right_dtype, out_dtype) == "tf32x3", (right_dtype, out_dtype)
+
+
 def test_lora_expand_add_rounds_once():
     # fp16 values near 2048 are 2 apart. 2048 + (1 + 2**-12) = 2049.000244 rounds up to 2050; rounding
     # the LoRA term to fp16 first (1 + 2**-12 -> 1.0) gives the tie 2049, which rounds to even: 2048.

@@ -50,6 +50,18 @@ def _dot_precision(*dtypes: torch.dtype) -> str:
     return "tf32" if torch.float32 not in dtypes else _FP32_DOT_PRECISION
 
 
+def _expand_dot_precision(right_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
+    """tl.dot precision of lora_expand_add, whose left operand is always fp32 (a shrink's output).
+
+    Into a bf16 output with a 16-bit right operand, plain tf32 is enough: it rounds left to 11
+    significant bits, 4x finer than the output's own rounding (8 bits), and PEFT's 16-bit path rounds
+    that bottleneck to the adapter's dtype. Any fp32 adapter or fp32/fp16 output keeps 3xTF32.
+    """
+    if out_dtype == torch.bfloat16 and right_dtype in (torch.bfloat16, torch.float16):
+        return "tf32"
+    return _FP32_DOT_PRECISION
+
+
 # How a kernel feeds tl.dot (a constexpr of the kernels that multiply an activation):
 # * _FP32_DOT: operands converted to fp32 in registers, DOT_PRECISION as above. The only mode the
 #   Triton interpreter runs (it computes bf16 as raw integer bits), and the mode whenever an operand
@@ -151,6 +163,11 @@ def _lora_expand_add_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)[:, None]
+    mask = mask_m[:, None] & mask_n[None, :]
+    # Base is loaded before the rank loop, so its latency can overlap the dot (the loop has one or few
+    # trips: nothing for the pipeliner). Alone it was within noise: with fp32 adapters (3xTF32 either
+    # way) 57us against 60 before at M=8192, N=4096, rank 16, on two H200 machines of one session.
+    base = tl.load(Base_ptr + rows * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
     left_ptrs = Left_ptr + rows * stride_lm + offs_r[None, :] * stride_lr
     right_ptrs = Right_ptr + offs_r[:, None] * stride_rr + offs_n[None, :] * stride_rn  # [BLOCK_R, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -161,8 +178,6 @@ def _lora_expand_add_kernel(
         acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
         left_ptrs += BLOCK_R * stride_lr
         right_ptrs += BLOCK_R * stride_rr
-    mask = mask_m[:, None] & mask_n[None, :]
-    base = tl.load(Base_ptr + rows * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
     out = base.to(tl.float32) + scale * acc
     tl.store(
         Out_ptr + rows * stride_om + offs_n[None, :] * stride_on, out.to(Out_ptr.dtype.element_ty), mask=mask
@@ -278,12 +293,12 @@ def _lora_expand_add_triton(
     right: torch.Tensor,
     scale: float,
     out_dtype: torch.dtype,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int | None = None,
     block_r: int | None = None,
     out: torch.Tensor | None = None,
     num_warps: int = 4,
-    num_stages: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     M, N = base.shape
     R = left.shape[1]
@@ -295,13 +310,18 @@ def _lora_expand_add_triton(
     # took 214us instead of 104us on an H200 (M=8192, N=4096, rank 64), so copy that small adapter.
     right = right if right.stride(1) == 1 else right.contiguous()
     block_r = block_r or _rank_block(R, cap=64)
-    # H200, M=8192, rank 16, in place (benchmarks/tune_lora_terms.py): with fp32 adapters 64 x 64
-    # tiles, 2 stages took 181us at N=14336 (2.6 TB/s) against 202us for 64 x 128; with bf16 ones
-    # 64 x 128, 3 stages took 159us against 177us for 64 x 64 (42 tile/warp/stage configs each).
-    # Tiles that loop over several column blocks per program were no faster (201us).
-    wide_right = right.dtype == torch.float32
-    block_n = block_n or (64 if wide_right else 128)
-    num_stages = num_stages or (2 if wide_right else 3)
+    precision = _expand_dot_precision(right.dtype, out_dtype)
+    # H200, M=8192, in place (scratch sweep of 36 configs: 32/64/128 x 64/128/256 tiles, 4/8 warps,
+    # 1/2 stages; `benchmarks.tune_lora_terms --expand-add` sweeps a superset), then the launcher's
+    # defaults timed alone, against an in-place `mul_` (a pure read and write) at 36 and 114us:
+    # * plain tf32 (16-bit adapters into bf16): 32 x 256 tiles, 49us at N=4096 and 163us at N=14336
+    #   for rank 16, 66 and 211us for rank 64; before (3xTF32, 64 x 128, 3 stages) 62, 191, 157, 527us.
+    # * 3xTF32 (fp32 adapters, fp32/fp16 outputs): 64 x 128 at rank 16, 57 and 181us; 64 x 64 above,
+    #   104 and 340us at rank 64 (32 x 256 took 3000us at rank 64 there: three dots of that tile spill).
+    if precision == "tf32":
+        block_m, block_n = block_m or 32, block_n or 256
+    else:
+        block_m, block_n = block_m or 64, block_n or (128 if block_r <= 16 else 64)
     grid = (cdiv(N, block_n), cdiv(M, block_m))
     _lora_expand_add_kernel[grid](
         base, left, right, out,
@@ -309,7 +329,7 @@ def _lora_expand_add_triton(
         base.stride(0), base.stride(1), left.stride(0), left.stride(1),
         right.stride(0), right.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=_dot_precision(left.dtype, right.dtype),
+        DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
