@@ -106,6 +106,7 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
     weight = _make(R, K, w_dtype, layout)
     truth = x.double() @ weight.double().T
     _check_op("lora_shrink", (x, weight), truth, FP32)
+    _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32)
 
 
 @pytest.mark.parametrize("base_dtype, right_dtype, shape, layout", _case_params())
@@ -181,6 +182,11 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
             x=x, weight=lora_a, split=split, block_m=16, block_k=16, block_r=16
         )
         assert_rel_close(got, x.double() @ lora_a.double().T, tol)
+        # Every split's partial scaled, so the sum is scaled once (the q/k/v group's dY_i @ B_i).
+        got = lora_terms._lora_shrink_triton(
+            x=x, weight=lora_a, scale=SCALE, split=split, block_m=16, block_k=16, block_r=16
+        )
+        assert_rel_close(got, SCALE * (x.double() @ lora_a.double().T), tol)
 
     got = lora_terms._lora_expand_add_triton(
         base=base, left=left, right=lora_b, scale=SCALE, out_dtype=FP32, block_m=16, block_n=16, block_r=16
@@ -342,6 +348,7 @@ def test_bad_inputs_raise(op, make_args, message):
 
 OPCHECK_CASES = [
     pytest.param(lora_terms.lora_shrink_op, lambda: (_t(7, 19), _t(19, 5).T), id="shrink"),
+    pytest.param(lora_terms.lora_shrink_op, lambda: (_t(7, 19), _t(19, 5).T, 0.5), id="shrink-scaled"),
     pytest.param(
         lora_terms.lora_expand_add_op, lambda: (_t(7, 23), _t(7, 5), _t(5, 23).T, SCALE, FP32), id="expand"
     ),

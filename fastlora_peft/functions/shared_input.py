@@ -55,6 +55,16 @@ def stacked_lora_a(loras: Sequence[LoraWeights]) -> torch.Tensor:
     return torch.cat([lora.lora_a.to(dtype) for lora in loras], dim=0)
 
 
+def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
+    """`stacked_lora_a(loras).T` ([in, sum r]) with the rank dim contiguous, the layout the expand-add
+    kernel wants its right operand in: for a group one cat of the transposed views makes it, where
+    the cat and then the launcher's contiguous copy would be two ops."""
+    if len(loras) == 1:
+        return loras[0].lora_a.t()  # the launcher copies it
+    dtype = functools.reduce(torch.promote_types, [lora.lora_a.dtype for lora in loras])
+    return torch.cat([lora.lora_a.t().to(dtype) for lora in loras], dim=1)
+
+
 def shared_input_forward(
     x_2d: torch.Tensor,
     bases: Sequence[FrozenBase],
@@ -122,8 +132,9 @@ def hoisted_grad_xa(
     """
     if len(loras) == 1:
         return lora_shrink(grads_2d[0], loras[0].lora_b.t()), loras[0].scale
+    # Each shrink applies its own scale to its fp32 sum (no separate scaling pass per projection).
     grad_xa = torch.cat(
-        [lora_shrink(grad, lora.lora_b.t()).mul_(lora.scale) for grad, lora in zip(grads_2d, loras)], dim=1
+        [lora_shrink(grad, lora.lora_b.t(), lora.scale) for grad, lora in zip(grads_2d, loras)], dim=1
     )
     return grad_xa, 1.0
 
@@ -151,7 +162,7 @@ def shared_input_grad_x(
         del weight, grad_compute  # as in the forward: one materialized weight at a time
     if not with_lora_term:
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
-    return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_dtype)
+    return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a_t(loras), lora_scale, x_dtype)
 
 
 def lora_input_grad(
@@ -159,7 +170,7 @@ def lora_input_grad(
 ) -> torch.Tensor:
     """The gradient of the tensor the LoRA terms read, `scale * (g B) A`, when it is not x itself."""
     zeros = torch.zeros_like(x_lora_2d, memory_format=torch.contiguous_format)
-    return _add_lora_term(zeros, grad_xa, stacked_lora_a(loras).t(), lora_scale, x_lora_2d.dtype)
+    return _add_lora_term(zeros, grad_xa, stacked_lora_a_t(loras), lora_scale, x_lora_2d.dtype)
 
 
 def shared_input_weight_grads(
@@ -176,6 +187,9 @@ def shared_input_weight_grads(
     """dA_i (one pass over x for all of them), dB_i from the saved xa, and trainable biases' grads."""
     needs_a = any(need.lora_a for need in needs_loras)
     grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
+    a_dtypes = {lora.lora_a.dtype for lora in loras}
+    if needs_a and len(a_dtypes) == 1:
+        grad_a_all = grad_a_all.to(*a_dtypes)  # one cast for the group; the slices below are views
     grad_loras = []
     for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
         grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None

@@ -2,8 +2,8 @@
 
 For ``y = x W^T + scale * (x A^T) B^T`` the forward and backward need only these three:
 
-* ``lora_shrink(x, weight)``: ``x @ weight.T`` into fp32, the rank-R bottleneck (``x @ A.T``,
-  ``grad_out @ B``).
+* ``lora_shrink(x, weight, scale)``: ``scale * x @ weight.T`` into fp32, the rank-R bottleneck
+  (``x @ A.T``, ``grad_out @ B``; a scale so a q/k/v group's ``g_i @ B_i`` come out scaled).
 * ``lora_expand_add(base, left, right, scale, out_dtype)``: ``base + scale * left @ right.T``, added
   to the frozen layer's output in registers and rounded to ``out_dtype`` once.
 * ``lora_weight_grad(left, x, scale)``: ``scale * left.T @ x`` summed over the tokens, the gradient of
@@ -106,12 +106,12 @@ def _num_sms(device: torch.device) -> int:
 @triton.jit
 def _lora_shrink_kernel(
     X_ptr, W_ptr, Out_ptr,
-    M, K, R, k_per_split,
+    M, K, R, k_per_split, scale,
     stride_xm, stride_xk, stride_wr, stride_wk, stride_os, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):  # fmt: skip
-    """Out[s, M, R] = X[M, K_s] @ W[R, K_s]^T over split s's columns K_s = [s * k_per_split, ...).
+    """Out[s, M, R] = scale * X[M, K_s] @ W[R, K_s]^T over split s's columns K_s = [s * k_per_split, ...).
 
     One program per (BLOCK_M rows, BLOCK_R ranks, split), looping over its K range; with one split
     Out is the result itself, else the caller sums the splits.
@@ -142,7 +142,7 @@ def _lora_shrink_kernel(
     out_ptrs = (
         Out_ptr + pid_s * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
     )
-    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+    tl.store(out_ptrs, scale * acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
 @CachedKernel
@@ -236,6 +236,7 @@ def _lora_shrink_triton(
     *,
     x: torch.Tensor,
     weight: torch.Tensor,
+    scale: float = 1.0,
     split: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
@@ -276,7 +277,7 @@ def _lora_shrink_triton(
     grid = (row_blocks, cdiv(R, block_r), split)
     _lora_shrink_kernel[grid](
         x, weight, partial,
-        M, K, R, k_per_split,
+        M, K, R, k_per_split, float(scale),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         R * M, 1, M,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
@@ -449,30 +450,30 @@ def _check_weight_grad(left: torch.Tensor, x: torch.Tensor) -> None:
     _check_devices(op, left=left, x=x)
 
 
-def lora_shrink(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` with fp32 accumulation: `fastlora::lora_shrink` (see `_lora_shrink_body`)."""
+def lora_shrink(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x @ weight.T`` with fp32 accumulation: `fastlora::lora_shrink` (see `_lora_shrink_body`)."""
     if skips_op_dispatch(x, weight):
-        return _lora_shrink_body(x, weight)
-    return lora_shrink_op(x, weight)
+        return _lora_shrink_body(x, weight, scale)
+    return lora_shrink_op(x, weight, scale)
 
 
-def _lora_shrink_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` with fp32 accumulation.
+def _lora_shrink_body(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x @ weight.T`` with fp32 accumulation (the scale applied to the fp32 sum).
 
     x: [M, K] float32/bfloat16/float16; weight: [R, K], any of those dtypes (may differ from x's) and
     any strides (``lora_b.T`` is fine). Returns [M, R] float32, token-major (strides (1, M)).
     """
     _check_shrink(x, weight)
     if runs_triton(x):
-        return _lora_shrink_triton(x=x, weight=weight)
-    return reference.lora_shrink(x, weight).T.contiguous().T
+        return _lora_shrink_triton(x=x, weight=weight, scale=scale)
+    return reference.lora_shrink(x, weight, scale).T.contiguous().T
 
 
 lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_shrink_body, mutates_args=())
 
 
 @lora_shrink_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     _check_shrink(x, weight)
     return x.new_empty((weight.shape[0], x.shape[0]), dtype=torch.float32).T
 

@@ -15,9 +15,10 @@ def _wide(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.double() if tensor.dtype == torch.float64 else tensor.float()
 
 
-def lora_shrink(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in fp32. x: [M, K], weight: [R, K] -> [M, R] float32."""
-    return _wide(x) @ _wide(weight).T
+def lora_shrink(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x @ weight.T`` in fp32. x: [M, K], weight: [R, K] -> [M, R] float32."""
+    product = _wide(x) @ _wide(weight).T
+    return product if scale == 1.0 else scale * product
 
 
 def lora_expand_add(
