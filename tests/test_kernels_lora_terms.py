@@ -6,6 +6,7 @@ Without it, the ops run the reference on CPU and the kernel-only tests skip.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -159,6 +160,10 @@ def test_lora_weight_grad(x_dtype, _w_dtype, shape, layout):
     x = _make(M, K, x_dtype, layout)
     truth = -SCALE * (left.double().T @ x.double())
     _check_op("lora_weight_grad", (left, x, -SCALE), truth, FP32)
+    # K-major: the same values, laid out so that the transpose (lora_B's gradient) is dense.
+    k_major = lora_terms.lora_weight_grad(left, x, -SCALE, k_major=True)
+    assert k_major.shape == truth.shape and k_major.T.is_contiguous(), k_major.stride()
+    assert_rel_close(k_major, truth, TOLERANCE[FP32])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -202,10 +207,13 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
     assert_rel_close(in_place, truth, TOLERANCE[x_dtype])
 
     truth = SCALE * (left.double().T @ x.double())
-    for split in (1, 2, 3):  # 3 splits of 16 rows: the last one is partial
+    for split, k_major in itertools.product(
+        (1, 2, 3), (False, True)
+    ):  # 3 splits of 16 rows: the last one is partial
         got = lora_terms._lora_weight_grad_triton(
-            left=left, x=x, scale=SCALE, split=split, block_m=16, block_k=16, block_r=16
+            left=left, x=x, scale=SCALE, k_major=k_major, split=split, block_m=16, block_k=16, block_r=16
         )
+        assert (got.T if k_major else got).is_contiguous(), (k_major, got.stride())
         assert_rel_close(got, truth, tol)
 
 
@@ -358,6 +366,9 @@ OPCHECK_CASES = [
         id="expand-bf16-out",
     ),
     pytest.param(lora_terms.lora_weight_grad_op, lambda: (_t(7, 5), _t(19, 7).T, SCALE), id="wgrad"),
+    pytest.param(
+        lora_terms.lora_weight_grad_op, lambda: (_t(7, 5), _t(19, 7).T, SCALE, True), id="wgrad-k-major"
+    ),
 ]
 
 

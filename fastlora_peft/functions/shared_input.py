@@ -195,7 +195,8 @@ def shared_input_weight_grads(
         grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
         grad_b = None
         if need.lora_b:
-            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale).t().to(lora.lora_b.dtype)
+            # Made K-major, so its transpose (lora_B's layout) is dense and autograd keeps it as is.
+            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale, k_major=True).t().to(lora.lora_b.dtype)
         grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
     grad_bases = []
     for base, need, grad in zip(bases, needs_bases, grads_2d):

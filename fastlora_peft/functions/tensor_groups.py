@@ -64,13 +64,16 @@ def values_in_tensor_slots(layout: Any, tree: Any) -> list[Any]:
     backward uses this to line its gradients up with the flattened inputs).
     """
     values: list[Any] = []
-
-    def walk(slot: Any, node: Any) -> None:
-        if isinstance(slot, str) and slot == _TENSOR_SLOT:
-            values.append(node)
-        elif isinstance(slot, (tuple, list)):
-            for index, sub_slot in enumerate(slot):
-                walk(sub_slot, node[index] if isinstance(node, (tuple, list)) else None)
-
-    walk(layout, tree)
+    _collect_slot_values(layout, tree, values)
     return values
+
+
+def _collect_slot_values(slot: Any, node: Any, values: list[Any]) -> None:
+    # A module-level function, not a closure: a nested function that calls itself is a reference
+    # cycle holding `values` until the garbage collector runs, and a gradient a Function returns
+    # that is still referenced when autograd accumulates it is copied instead of taken over.
+    if isinstance(slot, str) and slot == _TENSOR_SLOT:
+        values.append(node)
+    elif isinstance(slot, (tuple, list)):
+        for index, sub_slot in enumerate(slot):
+            _collect_slot_values(sub_slot, node[index] if isinstance(node, (tuple, list)) else None, values)

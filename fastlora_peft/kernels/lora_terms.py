@@ -347,6 +347,7 @@ def _lora_weight_grad_triton(
     left: torch.Tensor,
     x: torch.Tensor,
     scale: float,
+    k_major: bool = False,
     split: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
@@ -355,7 +356,8 @@ def _lora_weight_grad_triton(
     M, R = left.shape
     K = x.shape[1]
     if M == 0 or R == 0 or K == 0:
-        return torch.zeros((R, K), dtype=torch.float32, device=x.device)
+        zeros = torch.zeros((K, R) if k_major else (R, K), dtype=torch.float32, device=x.device)
+        return zeros.T if k_major else zeros
     # The kernel wants left's token dim contiguous (see there): 91 vs 116us at rank 64, 157 vs 227us at
     # rank 128 on an H200 (M=8192, K=4096), for a transposed copy of left (M * R * 4 bytes, 2 MB).
     left = left if left.stride(0) == 1 else left.T.contiguous().T
@@ -370,18 +372,22 @@ def _lora_weight_grad_triton(
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: each split writes its own [R, K] slab, summed below in a fixed order (no atomics).
-    partial = torch.empty((split * R, K), dtype=torch.float32, device=x.device)
+    # K-major slabs ([K, R] in memory) when the caller wants the transpose contiguous (dB = result.T).
+    rows, cols = (K, R) if k_major else (R, K)
+    partial = torch.empty((split * rows, cols), dtype=torch.float32, device=x.device)
+    stride_or, stride_ok = (1, R) if k_major else (K, 1)
     grid = (cdiv(K, block_k), split, cdiv(R, block_r))
     _lora_weight_grad_kernel[grid](
         left, x, partial,
         M, R, K, float(scale), rows_per_split,
         left.stride(0), left.stride(1), x.stride(0), x.stride(1),
-        R * K, K, 1,
+        R * K, stride_or, stride_ok,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
         num_warps=8, num_stages=3,
     )  # fmt: skip
-    return partial if split == 1 else partial.view(split, R, K).sum(dim=0)
+    total = partial if split == 1 else partial.view(split, rows, cols).sum(dim=0)
+    return total.T if k_major else total
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -548,23 +554,29 @@ def _(
     return base.new_empty(base.shape, dtype=out_dtype)
 
 
-def lora_weight_grad(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+def lora_weight_grad(
+    left: torch.Tensor, x: torch.Tensor, scale: float, k_major: bool = False
+) -> torch.Tensor:
     """``scale * left.T @ x``: `fastlora::lora_weight_grad` (see `_lora_weight_grad_body`)."""
     if skips_op_dispatch(left, x):
-        return _lora_weight_grad_body(left, x, scale)
-    return lora_weight_grad_op(left, x, scale)
+        return _lora_weight_grad_body(left, x, scale, k_major)
+    return lora_weight_grad_op(left, x, scale, k_major)
 
 
-def _lora_weight_grad_body(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+def _lora_weight_grad_body(
+    left: torch.Tensor, x: torch.Tensor, scale: float, k_major: bool = False
+) -> torch.Tensor:
     """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically).
 
-    left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K] float32, contiguous;
-    zeros when M == 0.
+    left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K] float32, contiguous,
+    or with k_major its transpose contiguous (strides (1, R)): dB = result.T then is a dense [K, R]
+    tensor that autograd takes over as lora_B's gradient instead of copying it. Zeros when M == 0.
     """
     _check_weight_grad(left, x)
     if runs_triton(x):
-        return _lora_weight_grad_triton(left=left, x=x, scale=scale)
-    return reference.lora_weight_grad(left, x, scale).contiguous()
+        return _lora_weight_grad_triton(left=left, x=x, scale=scale, k_major=k_major)
+    result = reference.lora_weight_grad(left, x, scale)
+    return result.T.contiguous().T if k_major else result.contiguous()
 
 
 lora_weight_grad_op = torch.library.custom_op(
@@ -573,6 +585,9 @@ lora_weight_grad_op = torch.library.custom_op(
 
 
 @lora_weight_grad_op.register_fake
-def _(left: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+def _(left: torch.Tensor, x: torch.Tensor, scale: float, k_major: bool = False) -> torch.Tensor:
     _check_weight_grad(left, x)
-    return x.new_empty((left.shape[1], x.shape[1]), dtype=torch.float32)
+    rank, features = left.shape[1], x.shape[1]
+    if k_major:
+        return x.new_empty((features, rank), dtype=torch.float32).T
+    return x.new_empty((rank, features), dtype=torch.float32)

@@ -1,0 +1,137 @@
+"""What one fused step dispatches: the ops that launch work, per Function, pinned.
+
+Short steps are bound by host time, and every dispatched op costs some: a new cast, copy or cat in a
+fused Function's forward or backward should be a decision, not a side effect. Each case counts, with
+a dispatch mode, the ops one forward and one backward dispatch (a kernel op counts once: the mode
+does not see inside it, so the counts are the same on any device), leaves out the ops that only make
+views, and compares with the budget below.
+
+The backward budgets also pin that autograd takes the adapter gradients over as they are: a gradient
+the Function returns that is still referenced elsewhere, or laid out other than its parameter, is
+copied (`new_empty_strided` + `copy_`) before it becomes `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastlora_peft.dtypes import plan_projection_dtypes
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
+from fastlora_peft.functions.gated_mlp import fused_gated_mlp
+from fastlora_peft.functions.shared_input import fused_lora_projections
+
+# Ops that make views or answer questions about dtypes: no kernel, no allocation.
+_VIEW_OPS = {
+    "view",
+    "t",
+    "slice",
+    "alias",
+    "detach",
+    "promote_types",
+    "transpose",
+    "_unsafe_view",
+    "as_strided",
+}
+
+BF16, FP32 = torch.bfloat16, torch.float32
+HIDDEN, INTERMEDIATE, TOKENS, RANK = 64, 128, 10, 4
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace != "aten":
+            name = f"{func.namespace}.{name}"
+        if name not in _VIEW_OPS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _projection(in_features: int, out_features: int, adapter_dtype: torch.dtype):
+    weight = torch.randn(out_features, in_features, dtype=BF16)
+    lora_a = torch.randn(RANK, in_features, dtype=adapter_dtype, requires_grad=True)
+    lora_b = torch.randn(out_features, RANK, dtype=adapter_dtype, requires_grad=True)
+    return FrozenBase(weight, None, None), LoraWeights(lora_a, lora_b, 0.5)
+
+
+def _counted_step(run, adapter_dtype: torch.dtype, shapes):
+    """(forward ops, backward ops) of one step of `run(x, bases, loras, plan)`; checks every
+    parameter got its gradient, so a budget cannot pass by skipping work."""
+    torch.manual_seed(0)
+    pairs = [_projection(i, o, adapter_dtype) for i, o in shapes]
+    bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
+    x = torch.randn(2, TOKENS // 2, HIDDEN, dtype=BF16, requires_grad=True)
+    plan = plan_projection_dtypes(BF16, BF16, quantized=False, device_type="cpu")
+    with _OpCounter() as forward:
+        outputs = run(x, bases, loras, plan)
+    grads = [torch.randn_like(out) for out in outputs]
+    with _OpCounter() as backward:
+        torch.autograd.backward(outputs, grads)
+    for lora in loras:
+        for param in (lora.lora_a, lora.lora_b):
+            assert param.grad is not None and param.grad.dtype == adapter_dtype
+            assert param.grad.is_contiguous()
+    assert x.grad is not None
+    return dict(forward.ops), dict(backward.ops)
+
+
+def _o(x, bases, loras, plan):
+    return fused_lora_projections(x, bases, loras, plan)
+
+
+def _mlp(x, bases, loras, plan):
+    return (fused_gated_mlp(x, bases, loras, plan, "silu"),)
+
+
+_O_SHAPES = [(HIDDEN, HIDDEN)]
+_QKV_SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2)]
+_MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
+
+SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
+GATED_FWD, GATED_BWD = "fastlora.gated_act_forward", "fastlora.gated_act_backward_weight_grad_"
+
+
+def _with_casts(budget: dict[str, int], casts: int) -> dict[str, int]:
+    """16-bit adapters add the casts of their fp32-accumulated gradients."""
+    return {**budget, "_to_copy": casts} if casts else budget
+
+
+CASES = {
+    # forward: one pass over x for every A, the base matmul, the LoRA term added in place.
+    # backward: dY @ B, dX (one matmul, the LoRA term in place), dA and dB.
+    "o": (_o, _O_SHAPES, {SHRINK: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRAD: 2}, 2),
+    # forward: the As stacked once; backward: dY_i @ B_i side by side (one cat), the A^T side by side
+    # (one cat), dX accumulated in one buffer, dA of all three in one pass (one cast), dB_i each.
+    "qkv": (
+        _o,
+        _QKV_SHAPES,
+        {"cat": 1, SHRINK: 1, "mm": 3, EXPAND: 3},
+        {SHRINK: 3, "cat": 2, "mm": 1, "addmm_": 2, EXPAND: 1, WGRAD: 4},
+        4,
+    ),
+    # gate/up as a group; h made and consumed inside the gated kernels; down as one projection.
+    "mlp": (
+        _mlp,
+        _MLP_SHAPES,
+        {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 3, GATED_FWD: 1},
+        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
+        5,
+    ),
+}
+
+
+@pytest.mark.parametrize("adapter_dtype", [FP32, BF16], ids=["fp32-adapters", "bf16-adapters"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_step_dispatches_its_budget(case, adapter_dtype):
+    run, shapes, forward_budget, backward_budget, casts = CASES[case]
+    forward_ops, backward_ops = _counted_step(run, adapter_dtype, shapes)
+    assert forward_ops == forward_budget
+    assert backward_ops == _with_casts(backward_budget, casts if adapter_dtype == BF16 else 0)
