@@ -33,16 +33,23 @@ def skips_op_dispatch(*tensors) -> bool:
     """
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
-    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    for tensor in tensors:  # a loop, not all(<generator>): this runs on every op call
+        if tensor is not None and type(tensor) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def runs_triton(tensor: torch.Tensor) -> bool:
     """True when an op given ``tensor`` runs its Triton kernel, False when it runs the reference."""
     if tensor.dtype == torch.float64:
         return False
-    if tensor.device.type == "cuda":
+    # is_cuda / is_cpu, not device.type: each `.device` builds a torch.device (about 1 us per op call).
+    if tensor.is_cuda:
         return True
-    return tensor.device.type == "cpu" and TRITON_INTERPRET
+    return TRITON_INTERPRET and tensor.is_cpu
 
 
 def _fix_interpreter_loop_bounds() -> None:

@@ -77,7 +77,7 @@ _FP32_DOT, _NATIVE_DOT = 0, 1
 
 def _dot_mode(activation: torch.Tensor, other: torch.Tensor) -> int:
     """How a kernel multiplies the large `activation` tile by the small `other` tile."""
-    if activation.device.type != "cuda":
+    if not activation.is_cuda:
         return _FP32_DOT
     if activation.dtype == other.dtype and activation.dtype in (torch.bfloat16, torch.float16):
         return _NATIVE_DOT
@@ -418,7 +418,10 @@ def _check_fp32(op: str, name: str, tensor: torch.Tensor) -> None:
 
 def _check_devices(op: str, **tensors: torch.Tensor) -> None:
     first, *others = tensors.values()
-    if any(t.device != first.device for t in others):
+    device = first.device
+    for tensor in others:  # a loop: this runs on every op call
+        if tensor.device == device:
+            continue
         devices = {name: t.device for name, t in tensors.items()}
         raise ValueError(f"{op}: all inputs must be on one device, got {devices}")
 
