@@ -37,8 +37,20 @@ _VIEW_OPS = {
     "as_strided",
 }
 
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# Feature sizes are multiples of 64: bitsandbytes quantizes only those on the CPU.
 HIDDEN, INTERMEDIATE, TOKENS, RANK = 64, 128, 10, 4
+
+# (x and base dtype, adapter dtype, 4-bit base): every layout the fused path takes.
+LAYOUTS = {
+    "fp32": (FP32, FP32, False),
+    "bf16": (BF16, BF16, False),
+    "fp16": (FP16, FP16, False),
+    "fp32-adapters-on-bf16": (BF16, FP32, False),
+    "fp32-adapters-on-fp16": (FP16, FP32, False),
+    "nf4-bf16-adapters": (BF16, BF16, True),
+    "nf4-fp32-adapters": (BF16, FP32, True),
+}
 
 
 class _OpCounter(TorchDispatchMode):
@@ -55,21 +67,33 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _projection(in_features: int, out_features: int, adapter_dtype: torch.dtype):
-    weight = torch.randn(out_features, in_features, dtype=BF16)
+def _projection(in_features: int, out_features: int, layout):
+    dtype, adapter_dtype, quantized = layout
+    weight = torch.randn(out_features, in_features, dtype=dtype)
+    base = FrozenBase(weight, None, None)
+    if quantized:
+        import bitsandbytes.functional as bnb_functional
+
+        from fastlora_peft.kernels.dequant4bit import Quant4bitState
+
+        packed, state = bnb_functional.quantize_4bit(
+            weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
+        base = FrozenBase(packed, None, Quant4bitState.from_bnb(state, packed))
     lora_a = torch.randn(RANK, in_features, dtype=adapter_dtype, requires_grad=True)
     lora_b = torch.randn(out_features, RANK, dtype=adapter_dtype, requires_grad=True)
-    return FrozenBase(weight, None, None), LoraWeights(lora_a, lora_b, 0.5)
+    return base, LoraWeights(lora_a, lora_b, 0.5)
 
 
-def _counted_step(run, adapter_dtype: torch.dtype, shapes):
+def _counted_step(run, layout, shapes):
     """(forward ops, backward ops) of one step of `run(x, bases, loras, plan)`; checks every
     parameter got its gradient, so a budget cannot pass by skipping work."""
     torch.manual_seed(0)
-    pairs = [_projection(i, o, adapter_dtype) for i, o in shapes]
+    dtype, adapter_dtype, quantized = layout
+    pairs = [_projection(i, o, layout) for i, o in shapes]
     bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
-    x = torch.randn(2, TOKENS // 2, HIDDEN, dtype=BF16, requires_grad=True)
-    plan = plan_projection_dtypes(BF16, BF16, quantized=False, device_type="cpu")
+    x = torch.randn(2, TOKENS // 2, HIDDEN, dtype=dtype, requires_grad=True)
+    plan = plan_projection_dtypes(dtype, dtype, quantized=quantized, device_type="cpu")
     with _OpCounter() as forward:
         outputs = run(x, bases, loras, plan)
     grads = [torch.randn_like(out) for out in outputs]
@@ -128,10 +152,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("adapter_dtype", [FP32, BF16], ids=["fp32-adapters", "bf16-adapters"])
+@pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_step_dispatches_its_budget(case, adapter_dtype):
+def test_fused_step_dispatches_its_budget(case, layout_id):
     run, shapes, forward_budget, backward_budget, casts = CASES[case]
-    forward_ops, backward_ops = _counted_step(run, adapter_dtype, shapes)
+    layout = LAYOUTS[layout_id]
+    forward_ops, backward_ops = _counted_step(run, layout, shapes)
     assert forward_ops == forward_budget
-    assert backward_ops == _with_casts(backward_budget, casts if adapter_dtype == BF16 else 0)
+    assert backward_ops == _with_casts(backward_budget, casts if layout[1] == BF16 else 0)
+
+
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_autograd_takes_the_adapter_gradients_without_a_copy(case, layout_id):
+    # A gradient that autograd must copy before it becomes `.grad` (still referenced, or laid out
+    # other than its parameter) shows up as new_empty_strided + copy_ (or clone) in the backward.
+    run, shapes, *_ = CASES[case]
+    _, backward_ops = _counted_step(run, LAYOUTS[layout_id], shapes)
+    copies = {op: n for op, n in backward_ops.items() if op in ("new_empty_strided", "copy_", "clone")}
+    assert not copies, backward_ops
