@@ -1,6 +1,8 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
-python -m benchmarks.tune_lora_terms [--expand-add | --gated]   (per shape: the default, the fastest configs)
+python -m benchmarks.tune_lora_terms [--expand-add | --gated | --gated-forward]
+
+Per shape: the default, then the fastest configs.
 
 The launchers' defaults in `fastlora_peft/kernels/lora_terms.py` cite what this printed on the H200.
 """
@@ -144,6 +146,56 @@ def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> 
     _report(f"gated bwd + dA rows={rows} I={n} R={rank}", default, results, moved)
 
 
+def tune_gated_lora_forward(
+    right_dtype: torch.dtype, rows: int = 2048, n: int = 14336, rank: int = 16
+) -> None:
+    """The MLP forward's gated activation with gate's and up's LoRA terms on one chunk of rows (the
+    halves of one [rows, 2I] bf16 buffer, as the MLP has them), against the three launches it
+    replaces (two in-place expand-adds, then the activation)."""
+    from fastlora_peft.kernels import gated_act, gated_act_lora_forward
+
+    gate_up = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16)
+    gate, up = gate_up[:, :n], gate_up[:, n:]
+    left = torch.randn(rows, 2 * rank, device="cuda", dtype=torch.float32)
+    gate_left, up_left = left[:, :rank], left[:, rank:]
+    gate_right = 0.01 * torch.randn(n, rank, device="cuda", dtype=right_dtype)
+    up_right = 0.01 * torch.randn(n, rank, device="cuda", dtype=right_dtype)
+
+    def unfused():
+        lt._lora_expand_add_triton(
+            base=gate, left=gate_left, right=gate_right, scale=0.5, out_dtype=gate.dtype, out=gate
+        )
+        lt._lora_expand_add_triton(
+            base=up, left=up_left, right=up_right, scale=0.5, out_dtype=up.dtype, out=up
+        )
+        gated_act._gated_act_forward_triton(gate, up, "silu")
+
+    def fused(**launch):
+        gated_act_lora_forward._gated_act_lora_forward_triton(
+            gate=gate, up=up, activation="silu", gate_left=gate_left, gate_right=gate_right, gate_scale=0.5,
+            up_left=up_left, up_right=up_right, up_scale=0.5, **launch,
+        )  # fmt: skip
+
+    moved = gate.numel() * 2 * 5  # read gate, up; write gate, up, h
+    name = f"gated fwd + LoRA rows={rows} I={n} R={rank} w={str(right_dtype)[6:]}"
+    print(f"{name}: unfused three launches {_bench(unfused):7.1f}us", flush=True)
+    default = _bench(fused)
+    results = []
+    tiles = ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128))
+    for (block_m, block_i), warps, stages in itertools.product(tiles, (4, 8), (1, 2)):
+        config = dict(m=block_m, i=block_i, w=warps, s=stages)
+        try:
+            timed = _bench(
+                lambda launch=dict(block_m=block_m, block_i=block_i, num_warps=warps, num_stages=stages): (
+                    fused(**launch)
+                )
+            )
+            results.append((timed, config))
+        except Exception as error:
+            print(f"  skip {config}: {type(error).__name__}")
+    _report(name, default, results, moved)
+
+
 def main() -> None:
     torch.manual_seed(0)
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -154,6 +206,10 @@ def main() -> None:
         (4096, 16, bf16),
         (4096, 64, bf16),
     )
+    if "--gated-forward" in sys.argv:
+        for dtype in (bf16, fp32):
+            tune_gated_lora_forward(dtype)
+        return
     if "--gated" in sys.argv:
         tune_gated_weight_grad()
         return

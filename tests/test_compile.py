@@ -89,7 +89,7 @@ def test_whole_model_is_one_graph_with_the_fused_functions_inside():
     forward_ops = [ops for name, ops in sorted(bodies.items()) if name.startswith("fwd_body")]
     assert len(forward_ops) == 5, bodies
     assert all("lora_shrink" in ops and "lora_expand_add_" in ops for ops in forward_ops), bodies
-    mlp_bodies = [name for name, ops in bodies.items() if "gated_act_forward" in ops]
+    mlp_bodies = [name for name, ops in bodies.items() if "gated_act_lora_forward_" in ops]
     assert len(mlp_bodies) == 1, bodies
     assert "gated_act_backward_weight_grad_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
 

@@ -83,7 +83,7 @@ def test_constexprs_must_be_keywords():
 def test_reused_kernel_is_the_one_triton_launches():
     """Shrink launches differing in every property Triton specializes on: for each, the compiled
     kernel the cache holds under its key is the very object Triton's own launch path picks for the
-    same arguments, and the cached launch computes x @ weight.T."""
+    same arguments, and the cached launch computes 0.5 * x @ weight.T."""
     cached: CachedKernel = lora_terms._lora_shrink_kernel
     device = torch.device("cuda")
     storage = torch.randn(80 * 300, device=device, dtype=torch.bfloat16)
@@ -104,12 +104,13 @@ def test_reused_kernel_is_the_one_triton_launches():
             rows, k = x.shape
             out = torch.empty(1, rows, 16, device=device, dtype=torch.float32)
             args = (
-                x, weight, out, rows, k, 16, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                x, weight, out, rows, k, 16, k, 0.5,
+                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                 out.stride(0), out.stride(1), out.stride(2),
             )  # fmt: skip
             grid = (triton_cdiv(rows, 32), 1, 1)
             cached[grid](*args, **meta)
-            torch.testing.assert_close(out[0], x.float() @ weight.float().T, rtol=1e-5, atol=1e-3)
+            torch.testing.assert_close(out[0], 0.5 * (x.float() @ weight.float().T), rtol=1e-5, atol=1e-3)
             own = cached.kernel[grid](*args, **meta)  # Triton's own path, bypassing the cache
             assert cached.compiled[cached.key(args, meta, torch.cuda.current_device())] is own, (
                 round_,

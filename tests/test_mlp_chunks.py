@@ -89,7 +89,7 @@ def run_mlp(monkeypatch, chunk_bytes, x, bases, loras, activation):
 @pytest.fixture
 def call_rows(monkeypatch) -> dict[str, list[int]]:
     """Rows of each call of the activation kernels as the gated MLP calls them, by kernel name."""
-    names = ("gated_act_forward", "gated_act_backward_", "gated_act_backward_weight_grad_")
+    names = ("gated_act_lora_forward_", "gated_act_backward_", "gated_act_backward_weight_grad_")
     rows: dict[str, list[int]] = {name: [] for name in names}
     for name, row_arg in zip(names, (0, 1, 1)):  # gate's rows
         original = getattr(gated_mlp, name)
@@ -141,7 +141,7 @@ def test_chunked_output_and_grads_equal_one_chunk(
     whole_out, whole_grads = run_mlp(monkeypatch, ONE_CHUNK, x, bases, loras, activation)
     # Backward recomputes h only inside the fused activation backward + dA_down op, never alone.
     assert call_rows == {
-        "gated_act_forward": [TOKENS],
+        "gated_act_lora_forward_": [TOKENS],
         "gated_act_backward_": [],
         "gated_act_backward_weight_grad_": [TOKENS],
     }
@@ -151,12 +151,14 @@ def test_chunked_output_and_grads_equal_one_chunk(
     out, grads = run_mlp(monkeypatch, bytes_for_chunks(3, dtype), x, bases, loras, activation)
     chunk_rows = [12, 12, 13]
     assert call_rows == {
-        "gated_act_forward": chunk_rows,
+        "gated_act_lora_forward_": chunk_rows,
         "gated_act_backward_": [],
         "gated_act_backward_weight_grad_": chunk_rows,  # once per chunk, in order, every row
     }
     if TRITON_INTERPRET and dtype == torch.float32:  # float64 runs the references
         assert triton_launches.get("_gated_act_backward_weight_grad_kernel") == 1 + 3, triton_launches
+        # gate's and up's LoRA terms are added by the activation kernel, not by expand-adds.
+        assert triton_launches.get("_gated_act_lora_forward_kernel") == 1 + 3, triton_launches
         assert "_gated_act_backward_kernel" not in triton_launches, triton_launches
     assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
     names = ["x"] + [f"{p}.lora_{ab}" for p in range(len(loras)) for ab in "ab"] + ["biases"] * 2
@@ -174,7 +176,7 @@ def test_chunks_without_down_lora_a_grad_never_recompute_h(monkeypatch, call_row
     for rows in call_rows.values():
         rows.clear()
     out, grads = run_mlp(monkeypatch, bytes_for_chunks(4, dtype), x, bases, loras, "silu")
-    assert call_rows["gated_act_forward"] == [9, 9, 9, 10], "forward only: backward must not recompute h"
+    assert call_rows["gated_act_lora_forward_"] == [9, 9, 9, 10], "forward only: no h recomputed"
     assert call_rows["gated_act_backward_"] == [9, 9, 9, 10]
     assert call_rows["gated_act_backward_weight_grad_"] == [], "no dA_down, no h in backward"
     assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
@@ -271,7 +273,7 @@ def test_chunks_under_other_dtype_layouts(monkeypatch, call_rows, mlp_layout, la
     # h has the output dtype: three chunks of 12, 12, 13 rows in forward, the same again in backward
     # (the fused activation backward + dA_down), after one chunk of all rows each.
     chunked_out, chunked_grads = run(bytes_for_chunks(3, plan.out_dtype, intermediate=intermediate))
-    assert call_rows["gated_act_forward"] == [TOKENS, 12, 12, 13]
+    assert call_rows["gated_act_lora_forward_"] == [TOKENS, 12, 12, 13]
     assert call_rows["gated_act_backward_weight_grad_"] == [TOKENS, 12, 12, 13]
     assert chunked_out.dtype == plan.out_dtype
     # Each row's output is computed by the same ops either way (bit-identical on the CPU); only the

@@ -120,7 +120,7 @@ _QKV_SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2)]
 _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
 
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
-GATED_FWD, GATED_BWD = "fastlora.gated_act_forward", "fastlora.gated_act_backward_weight_grad_"
+GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grad_"
 
 
 def _with_casts(budget: dict[str, int], casts: int) -> dict[str, int]:
@@ -141,11 +141,12 @@ CASES = {
         {SHRINK: 3, "cat": 2, "mm": 1, "addmm_": 2, EXPAND: 1, WGRAD: 4},
         4,
     ),
-    # gate/up as a group; h made and consumed inside the gated kernels; down as one projection.
+    # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
+    # consumed inside the gated kernels; down as one projection.
     "mlp": (
         _mlp,
         _MLP_SHAPES,
-        {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 3, GATED_FWD: 1},
+        {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
         {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
         5,
     ),
@@ -171,3 +172,13 @@ def test_autograd_takes_the_adapter_gradients_without_a_copy(case, layout_id):
     _, backward_ops = _counted_step(run, LAYOUTS[layout_id], shapes)
     copies = {op: n for op, n in backward_ops.items() if op in ("new_empty_strided", "copy_", "clone")}
     assert not copies, backward_ops
+
+
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
+def test_mlp_adds_gate_and_up_lora_terms_inside_the_activation_kernel(layout_id):
+    # In every layout, not only the budgets' two: gate's and up's LoRA terms go through the gated
+    # activation op; the one expand-add left in the forward is the down projection's.
+    run, shapes, *_ = CASES["mlp"]
+    forward_ops, _ = _counted_step(run, LAYOUTS[layout_id], shapes)
+    assert forward_ops[GATED_FWD] == 1 and forward_ops[EXPAND] == 1, forward_ops
+    assert "fastlora.gated_act_forward" not in forward_ops and "fastlora.lora_expand_add" not in forward_ops

@@ -11,6 +11,10 @@ backward recomputes it in registers, inside the kernel that makes the gate/up gr
 Backward overwrites the saved gate/up with their gradients, so a second backward through the same
 graph (`retain_graph=True`) stops with a clear error instead of computing garbage.
 
+Gate and up come out of the base GEMMs without their LoRA terms; the activation's kernel adds them
+(`gated_act_lora_forward_`: it reads gate and up once, writes them back with their terms, for
+backward, and writes h), where two expand-adds would each read and write a `[tokens, I]` tensor.
+
 The down projection runs in chunks of token rows, so h (forward) and dh (backward) exist for one
 chunk at a time. At Llama-3.1-8B shapes (8192 tokens, I = 14336, bf16) a whole h is 224 MiB and
 the peak was gate + up + h + out = 224 + 224 + 224 + 64 = 742 MiB (852 with an NF4 down weight
@@ -28,11 +32,13 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..dtypes import DtypePlan, autocast_off
-from ..kernels.gated_act import gated_act_backward_, gated_act_forward
+from ..kernels.gated_act import gated_act_backward_
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
+from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .shared_input import (
     hoisted_grad_xa,
+    rank_slices,
     shared_input_backward,
     shared_input_forward,
     shared_input_grad_x,
@@ -73,6 +79,34 @@ def _gate_and_up(pre_activations: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
     return gate_up[:, :half], gate_up[:, half:]
 
 
+class GateUpLoraTerms(NamedTuple):
+    """What `gated_act_lora_forward_` adds to gate and up: `scale * left @ right.T` for each."""
+
+    gate_left: torch.Tensor  # [tokens, r_gate] fp32: gate's columns of the forward's xa
+    gate_right: torch.Tensor  # [I, r_gate]: gate's lora_B, or the first half of gate_up's
+    gate_scale: float
+    up_left: torch.Tensor
+    up_right: torch.Tensor
+    up_scale: float
+
+    def rows(self, rows: slice) -> "GateUpLoraTerms":
+        return self._replace(gate_left=self.gate_left[rows], up_left=self.up_left[rows])
+
+
+def _gate_up_lora_terms(xa: torch.Tensor, loras: Sequence[LoraWeights]) -> GateUpLoraTerms:
+    """The terms of (gate, up) or of the two halves of one gate_up (whose xa columns they share)."""
+    if len(loras) == 2:
+        gate, up = loras
+        gate_ranks, up_ranks = rank_slices(loras)
+        return GateUpLoraTerms(
+            xa[:, gate_ranks], gate.lora_b, gate.scale, xa[:, up_ranks], up.lora_b, up.scale
+        )
+    (gate_up,) = loras
+    half = gate_up.lora_b.shape[0] // 2
+    right = gate_up.lora_b
+    return GateUpLoraTerms(xa, right[:half], gate_up.scale, xa, right[half:], gate_up.scale)
+
+
 def _dense_base(base: FrozenBase, plan: DtypePlan) -> FrozenBase:
     """The base with its weight materialized once in the compute dtype: every chunk reads it, and a
     4-bit weight (or one cast under autocast) would otherwise be dequantized (cast) once per chunk."""
@@ -83,22 +117,24 @@ def _down_forward(
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
+    gate_up_terms: GateUpLoraTerms,
     down_base: FrozenBase,
     down_lora: LoraWeights,
     plan: DtypePlan,
     chunks: Sequence[slice],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out `[tokens, hidden]` of `plan.out_dtype`, `h @ Ad.T` fp32 `[tokens, r]`), with h made one
-    chunk of rows at a time, each chunk's output written into its rows of `out`."""
+    chunk of rows at a time, each chunk's output written into its rows of `out`. gate and up come in
+    as the base outputs; each chunk's activation adds their LoRA terms there, in place."""
     if len(chunks) == 1:
-        hidden = gated_act_forward(gate, up, activation)
+        hidden = gated_act_lora_forward_(gate, up, activation, *gate_up_terms)
         (out,), ha_down = shared_input_forward(hidden, [down_base], [down_lora], plan)
         return out, ha_down
     tokens, hidden_features = gate.shape[0], base_out_features(down_base)
     out = gate.new_empty((tokens, hidden_features), dtype=plan.out_dtype)
     ha_down = None
     for rows in chunks:
-        hidden = gated_act_forward(gate[rows], up[rows], activation)
+        hidden = gated_act_lora_forward_(gate[rows], up[rows], activation, *gate_up_terms.rows(rows))
         _, ha_rows = shared_input_forward(hidden, [down_base], [down_lora], plan, out=[out[rows]])
         del hidden
         if ha_down is None:  # fp32, or float64 under gradcheck: the LoRA kernels' accumulation dtype
@@ -179,11 +215,15 @@ class LoraGatedMlpFunction(torch.autograd.Function):
     ):
         bases, loras = unflatten_tensors(layout, tensors)
         x_2d = x.reshape(-1, x.shape[-1])
-        pre_activations, xa_in = shared_input_forward(x_2d, bases[:-1], loras[:-1], plan)
+        # Gate and up without their LoRA terms: the activation kernel adds them (see _down_forward).
+        pre_activations, xa_in = shared_input_forward(
+            x_2d, bases[:-1], loras[:-1], plan, add_lora_terms=False
+        )
         gate, up = _gate_and_up(pre_activations)
+        gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
         chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
         down_base = _dense_base(bases[-1], plan)
-        out, ha_down = _down_forward(gate, up, activation, down_base, loras[-1], plan, chunks)
+        out, ha_down = _down_forward(gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks)
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
         ctx.overwrite = settings.overwrite_saved_preactivations
         ctx.pre_activation_count = len(pre_activations)

@@ -72,12 +72,15 @@ def shared_input_forward(
     plan: DtypePlan,
     x_lora_2d: Optional[torch.Tensor] = None,
     out: Optional[Sequence[torch.Tensor]] = None,
+    add_lora_terms: bool = True,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward.
 
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
     out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
     of a larger output), or None for new ones.
+    add_lora_terms: False returns the base outputs alone (new tensors of `plan.out_dtype`), for a
+    caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation).
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_lora_a(loras))
@@ -92,7 +95,10 @@ def shared_input_forward(
         else:
             base_out = F.linear(x_compute, weight, bias)
         del weight  # a dequantized 4-bit weight goes before the next one is made (one at the peak)
-        result = _add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
+        if add_lora_terms:
+            result = _add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
+        else:
+            result = base_out.to(plan.out_dtype)
         if destination is not None and result is not destination:
             destination.copy_(result)
             result = destination

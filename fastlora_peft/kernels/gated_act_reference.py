@@ -1,9 +1,10 @@
 """Pure-torch reference for the gated activation of an MLP block: ``h = act(gate) * up``.
 
 Same signatures and dtype contract as the ops of :mod:`fastlora_peft.kernels.gated_act` (and
-:mod:`~fastlora_peft.kernels.gated_act_lora`), which run these on plain CPU tensors and whose tests
-compare the Triton kernels with them. Everything is computed in float32 and rounded once to
-``gate``'s dtype; outputs are contiguous. Inputs are checked by the public ops.
+:mod:`~fastlora_peft.kernels.gated_act_lora`, :mod:`~fastlora_peft.kernels.gated_act_lora_forward`),
+which run these on plain CPU tensors and whose tests compare the Triton kernels with them. Everything
+is computed in float32 and rounded once to ``gate``'s dtype; outputs are contiguous.
+Inputs are checked by the public ops.
 
 * ``"silu"``: SwiGLU (Llama, Mistral, Qwen), ``act = silu``.
 * ``"gelu_tanh"``: GeGLU (Gemma), ``act = gelu`` with the tanh approximation.
@@ -74,3 +75,22 @@ def gated_act_backward_weight_grad(
     hidden = gated_act_forward(gate, up, activation)
     grad_weight = scale * (_wide(left).T @ _wide(hidden))
     return grad_gate, grad_up, grad_weight.contiguous()
+
+
+def gated_act_lora_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    gate_left: torch.Tensor,
+    gate_right: torch.Tensor,
+    gate_scale: float,
+    up_left: torch.Tensor,
+    up_right: torch.Tensor,
+    up_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gate', up', h)``: ``gate' = gate + gate_scale * gate_left @ gate_right.T`` and up' likewise,
+    each summed in float32 (float64) and rounded once to gate's dtype, and :func:`gated_act_forward`
+    of the rounded two. left: [M, R] float32, right: [I, R]."""
+    new_gate = (_wide(gate) + gate_scale * (_wide(gate_left) @ _wide(gate_right).T)).to(gate.dtype)
+    new_up = (_wide(up) + up_scale * (_wide(up_left) @ _wide(up_right).T)).to(up.dtype)
+    return new_gate, new_up, gated_act_forward(new_gate, new_up, activation)
