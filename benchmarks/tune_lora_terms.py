@@ -1,6 +1,6 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
-python -m benchmarks.tune_lora_terms [--expand-add | --gated | --gated-db | --gated-forward]
+python -m benchmarks.tune_lora_terms [--expand-add | --gated | --gated-forward]
 
 Per shape: the default, then the fastest configs.
 
@@ -146,45 +146,6 @@ def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> 
     _report(f"gated bwd + dA rows={rows} I={n} R={rank}", default, results, moved)
 
 
-def tune_gated_lora_grads(rows: int = 2048, n: int = 14336, rank: int = 16) -> None:
-    """The MLP backward's activation backward + dA_down + gate's and up's dB on one chunk of rows,
-    against the same kernel without the dBs followed by the two weight grads it replaces."""
-    from fastlora_peft.kernels import gated_act_lora
-
-    gate_up = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16)
-    gate, up = gate_up[:, :n], gate_up[:, n:]
-    grad_h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    left = torch.randn(rows, rank, device="cuda", dtype=torch.float32)
-    xa = torch.randn(rows, 2 * rank, device="cuda", dtype=torch.float32)
-    lefts = (xa[:, :rank], 0.5, xa[:, rank:], 0.5)
-
-    def unfused():
-        gated_act_lora._gated_act_backward_weight_grad_triton(
-            grad_h=grad_h, gate=gate, up=up, activation="silu", left=left, scale=0.5
-        )
-        lt._lora_weight_grad_triton(left=lefts[0], x=gate, scale=0.5, k_major=True)
-        lt._lora_weight_grad_triton(left=lefts[2], x=up, scale=0.5, k_major=True)
-
-    def fused(**launch):
-        gated_act_lora._gated_act_backward_weight_grad_triton(
-            grad_h=grad_h, gate=gate, up=up, activation="silu", left=left, scale=0.5, gate_up_lefts=lefts,
-            **launch,
-        )  # fmt: skip
-
-    name = f"gated bwd + dA + gate/up dB rows={rows} I={n} R={rank}"
-    print(f"{name}: unfused (kernel, then two weight grads) {_bench(unfused):7.1f}us", flush=True)
-    default = _bench(fused)
-    results = []
-    for block_m, block_i, warps, stages in itertools.product((32, 64), (32, 64, 128), (4, 8), (1, 2)):
-        config = dict(m=block_m, i=block_i, w=warps, s=stages)
-        launch = dict(block_m=block_m, block_i=block_i, num_warps=warps, num_stages=stages)
-        try:
-            results.append((_bench(lambda launch=launch: fused(**launch)), config))
-        except Exception as error:
-            print(f"  skip {config}: {type(error).__name__}")
-    _report(name, default, results, gate.numel() * 2 * 5)
-
-
 def tune_gated_lora_forward(
     right_dtype: torch.dtype, rows: int = 2048, n: int = 14336, rank: int = 16
 ) -> None:
@@ -245,9 +206,6 @@ def main() -> None:
         (4096, 16, bf16),
         (4096, 64, bf16),
     )
-    if "--gated-db" in sys.argv:
-        tune_gated_lora_grads()
-        return
     if "--gated-forward" in sys.argv:
         for dtype in (bf16, fp32):
             tune_gated_lora_forward(dtype)

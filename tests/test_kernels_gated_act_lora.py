@@ -114,10 +114,9 @@ def run_fused(grad_h, gate_up, activation, left, **launch):
     buffer = gate_up.clone()
     gate, up = halves(buffer)
     if launch:
-        grad_weight, *no_gate_up_b = gated_act_lora._gated_act_backward_weight_grad_triton(
+        grad_weight = gated_act_lora._gated_act_backward_weight_grad_triton(
             grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=SCALE, **launch
         )
-        assert no_gate_up_b == [None, None]
     else:
         grad_weight = gated_act_backward_weight_grad_(grad_h, gate, up, activation, left, SCALE)
     return gate, up, grad_weight
@@ -296,114 +295,3 @@ def test_rejects_bad_inputs(name: str):
     args, message = bad_inputs()[name]
     with pytest.raises(ValueError, match=message):
         gated_act_backward_weight_grad_(*args, SCALE)
-
-
-# --- gated_act_backward_lora_grads_: the same kernel, plus gate's and up's dB -------------------
-
-GATE_SCALE, UP_SCALE = 0.6, 1.7
-
-
-def gate_up_lefts(tokens: int, ranks: tuple[int, int], dtype=FP32, seed: int = 5):
-    """(gate_left, up_left): columns of one wider fp32 xa, as the MLP passes them (row-major slices)."""
-    generator = torch.Generator().manual_seed(seed)
-    xa = torch.randn(tokens, sum(ranks) + 3, generator=generator, dtype=FP64 if dtype == FP64 else FP32)
-    return xa[:, 1 : ranks[0] + 1], xa[:, ranks[0] + 1 : sum(ranks) + 1]
-
-
-LORA_GRADS_CASES = [
-    (Case(dtype, activation, rank, split, left_layout=layout), ranks)
-    for dtype in (FP32, BF16, FP16)
-    for activation, rank, split, layout, ranks in (
-        ("silu", 5, 3, "rows", (5, 19)),
-        ("gelu_tanh", 70, 2, "cols", (64, 1)),  # two rank passes for dA_down; dB in the last only
-    )
-]
-LORA_GRADS_CASES.append((Case(BF16, "silu", 16, None, block_m=64, block_i=64), (16, 16)))  # GPU blocks
-
-
-@requires_interpreter
-@pytest.mark.parametrize(
-    "case, ranks", LORA_GRADS_CASES, ids=[f"{case.id}-gu{r[0]}.{r[1]}" for case, r in LORA_GRADS_CASES]
-)
-def test_lora_grads_kernel_adds_gate_up_db_to_the_weight_grad_kernel(case: Case, ranks):
-    grad_h, gate_up, left = make_inputs(case.dtype, case.rank, case.left_layout)
-    gate_left, up_left = gate_up_lefts(TOKENS, ranks)
-    launch = dict(split=case.split, block_m=case.block_m, block_i=case.block_i, block_r=case.block_r)
-    gate, up = halves(gate_up.clone())
-    grad_a, grad_b_gate, grad_b_up = gated_act_lora._gated_act_backward_weight_grad_triton(
-        grad_h=grad_h, gate=gate, up=up, activation=case.activation, left=left, scale=SCALE,
-        gate_up_lefts=(gate_left, GATE_SCALE, up_left, UP_SCALE), **launch,
-    )  # fmt: skip
-    # The gradients and dA_down are the weight-grad kernel's, bit for bit.
-    plain_gate, plain_up, plain_grad_a = run_fused(grad_h, gate_up, case.activation, left, **launch)
-    assert torch.equal(gate, plain_gate) and torch.equal(up, plain_up) and torch.equal(grad_a, plain_grad_a)
-    # dB from the stored (rounded) gradients, as lora_weight_grad would read them: fp32 sums only.
-    for name, grad_b, grads, lefts, scale in (
-        ("dB_gate", grad_b_gate, gate, gate_left, GATE_SCALE),
-        ("dB_up", grad_b_up, up, up_left, UP_SCALE),
-    ):
-        assert grad_b.dtype == FP32 and grad_b.shape == (gate.shape[1], lefts.shape[1])
-        assert_rel_close(grad_b, scale * grads.double().T @ lefts.double(), ROUNDED_H_TOLERANCE, name)
-    # And against the reference, whose gradients torch rounds (to nearest, where the interpreter
-    # truncates bf16).
-    reference = gated_act_reference.gated_act_backward_lora_grads(
-        grad_h, *halves(gate_up), case.activation, left, SCALE, gate_left, GATE_SCALE, up_left, UP_SCALE
-    )
-    for name, actual, wanted in zip(("dB_gate", "dB_up"), (grad_b_gate, grad_b_up), reference[3:]):
-        assert_rel_close(actual, wanted, TOLERANCE[case.dtype], f"{name} vs reference")
-
-
-def run_lora_grads_op(dtype, ranks=(5, 19), through_library=False):
-    grad_h, gate_up, left = make_inputs(dtype, 3, "rows", seed=6)
-    gate_left, up_left = gate_up_lefts(TOKENS, ranks, dtype)
-    gate, up = halves(gate_up.clone())
-    op = gated_act_lora.gated_act_backward_lora_grads_op if through_library else None
-    op = op or gated_act_lora.gated_act_backward_lora_grads_
-    grads = op(grad_h, gate, up, "silu", left, SCALE, gate_left, GATE_SCALE, up_left, UP_SCALE)
-    return (grad_h, gate_up, left, gate_left, up_left), (gate, up, *grads)
-
-
-@pytest.mark.parametrize("through_library", [False, True], ids=["eager", "library"])
-@pytest.mark.parametrize("dtype", (FP32, BF16, FP64), ids=DTYPE_NAMES.get)
-def test_lora_grads_public_op_matches_float64(dtype, through_library):
-    # Whichever path runs (the kernel under the interpreter, else the reference; float64 always the
-    # reference), gate's and up's dB on the gradients the op stored.
-    (grad_h, gate_up, left, gate_left, up_left), (gate, up, *grads) = run_lora_grads_op(
-        dtype, through_library=through_library
-    )
-    tol = 1e-12 if dtype == FP64 else ROUNDED_H_TOLERANCE
-    assert_rel_close(grads[1], GATE_SCALE * gate.double().T @ gate_left.double(), tol, "dB_gate")
-    assert_rel_close(grads[2], UP_SCALE * up.double().T @ up_left.double(), tol, "dB_up")
-    exact = float64_truth(grad_h, *halves(gate_up), "silu", left)
-    assert_rel_close(gate, exact[0], 1e-12 if dtype == FP64 else TOLERANCE[dtype], "grad_gate")
-
-
-@requires_interpreter
-def test_lora_grads_pin_triton_kernel_ran_under_interpreter(monkeypatch):
-    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grad_kernel)
-    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grad_kernel", spy)
-    monkeypatch.setattr(gated_act_reference, "gated_act_backward_lora_grads", None)  # must not be called
-    run_lora_grads_op(FP32)
-    run_lora_grads_op(FP32, through_library=True)
-    assert spy.grids == [(1, 1)] * 2
-
-
-def test_lora_grads_opcheck_and_rank_limit():
-    (grad_h, gate_up, left, gate_left, up_left), _ = run_lora_grads_op(FP32)
-    args = (
-        grad_h,
-        *halves(gate_up.clone()),
-        "gelu_tanh",
-        left,
-        SCALE,
-        gate_left,
-        GATE_SCALE,
-        up_left,
-        UP_SCALE,
-    )
-    torch.library.opcheck(gated_act_lora.gated_act_backward_lora_grads_op, args)
-    too_wide = torch.randn(TOKENS, gated_act_lora.MAX_GATE_UP_RANK + 1)
-    with pytest.raises(ValueError, match=r"up_left must be \[M, r\] with M=37 .* r <= 64"):
-        gated_act_lora.gated_act_backward_lora_grads_(
-            grad_h, *halves(gate_up.clone()), "silu", left, SCALE, gate_left, GATE_SCALE, too_wide, UP_SCALE
-        )

@@ -89,14 +89,9 @@ def run_mlp(monkeypatch, chunk_bytes, x, bases, loras, activation):
 @pytest.fixture
 def call_rows(monkeypatch) -> dict[str, list[int]]:
     """Rows of each call of the activation kernels as the gated MLP calls them, by kernel name."""
-    names = (
-        "gated_act_lora_forward_",
-        "gated_act_backward_",
-        "gated_act_backward_weight_grad_",
-        "gated_act_backward_lora_grads_",
-    )
+    names = ("gated_act_lora_forward_", "gated_act_backward_", "gated_act_backward_weight_grad_")
     rows: dict[str, list[int]] = {name: [] for name in names}
-    for name, row_arg in zip(names, (0, 1, 1, 1)):  # gate's rows
+    for name, row_arg in zip(names, (0, 1, 1)):  # gate's rows
         original = getattr(gated_mlp, name)
 
         def counting(*args, _name=name, _row_arg=row_arg, _original=original):
@@ -148,8 +143,7 @@ def test_chunked_output_and_grads_equal_one_chunk(
     assert call_rows == {
         "gated_act_lora_forward_": [TOKENS],
         "gated_act_backward_": [],
-        "gated_act_backward_weight_grad_": [],
-        "gated_act_backward_lora_grads_": [TOKENS],
+        "gated_act_backward_weight_grad_": [TOKENS],
     }
     for rows in call_rows.values():
         rows.clear()
@@ -159,8 +153,7 @@ def test_chunked_output_and_grads_equal_one_chunk(
     assert call_rows == {
         "gated_act_lora_forward_": chunk_rows,
         "gated_act_backward_": [],
-        "gated_act_backward_weight_grad_": [],
-        "gated_act_backward_lora_grads_": chunk_rows,  # once per chunk, in order, every row
+        "gated_act_backward_weight_grad_": chunk_rows,  # once per chunk, in order, every row
     }
     if TRITON_INTERPRET and dtype == torch.float32:  # float64 runs the references
         assert triton_launches.get("_gated_act_backward_weight_grad_kernel") == 1 + 3, triton_launches
@@ -186,40 +179,9 @@ def test_chunks_without_down_lora_a_grad_never_recompute_h(monkeypatch, call_row
     assert call_rows["gated_act_lora_forward_"] == [9, 9, 9, 10], "forward only: no h recomputed"
     assert call_rows["gated_act_backward_"] == [9, 9, 9, 10]
     assert call_rows["gated_act_backward_weight_grad_"] == [], "no dA_down, no h in backward"
-    assert call_rows["gated_act_backward_lora_grads_"] == [], "no dA_down, no h in backward"
     assert_rel_close(out, whole_out, TOLERANCES[dtype], "out")
     for index, (grad, whole_grad) in enumerate(zip(grads, whole_grads, strict=True)):
         assert_rel_close(grad, whole_grad, TOLERANCES[dtype], f"trainable tensor {index}")
-
-
-@pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
-def test_gate_up_db_from_the_activation_backward_equals_weight_grads(monkeypatch, call_rows, mlp_layout):
-    # The activation backward makes gate's and up's dB when their ranks fit one block; above that
-    # (here forced by a limit under every gate/up rank of the test) lora_weight_grad makes them
-    # from the stored gradients. Both give the same gradients, chunk by chunk.
-    x, bases, loras = random_mlp(mlp_layout, torch.float32, seed=4)
-    chunk_bytes = bytes_for_chunks(3, torch.float32)
-    fused_out, fused_grads = run_mlp(monkeypatch, chunk_bytes, x, bases, loras, "silu")
-    assert call_rows["gated_act_backward_lora_grads_"] == [12, 12, 13]
-    assert call_rows["gated_act_backward_weight_grad_"] == []
-    for rows in call_rows.values():
-        rows.clear()
-    monkeypatch.setattr(gated_mlp, "MAX_GATE_UP_RANK", 1)
-    out, grads = run_mlp(monkeypatch, chunk_bytes, x, bases, loras, "silu")
-    assert call_rows["gated_act_backward_lora_grads_"] == []
-    assert call_rows["gated_act_backward_weight_grad_"] == [12, 12, 13]
-    assert torch.equal(out, fused_out)
-    for index, (grad, fused_grad) in enumerate(zip(grads, fused_grads, strict=True)):
-        assert_rel_close(grad, fused_grad, TOLERANCES[torch.float32], f"trainable tensor {index}")
-
-
-def test_frozen_gate_lora_b_takes_the_weight_grad_path(monkeypatch, call_rows):
-    x, bases, loras = random_mlp("gate-up-down", torch.float32, seed=5)
-    loras[0] = loras[0]._replace(lora_b=loras[0].lora_b.detach())  # gate's dB is not wanted
-    out, grads = run_mlp(monkeypatch, ONE_CHUNK, x, bases, loras, "silu")
-    assert call_rows["gated_act_backward_lora_grads_"] == []
-    assert call_rows["gated_act_backward_weight_grad_"] == [TOKENS]
-    assert loras[0].lora_a.requires_grad and all(grad.abs().max() > 0 for grad in grads)
 
 
 def test_chunks_keep_the_second_backward_error(monkeypatch):
@@ -309,10 +271,10 @@ def test_chunks_under_other_dtype_layouts(monkeypatch, call_rows, mlp_layout, la
     whole_out, whole_grads = run(ONE_CHUNK)
     intermediate = sizes.get("intermediate", INTERMEDIATE)
     # h has the output dtype: three chunks of 12, 12, 13 rows in forward, the same again in backward
-    # (the fused activation backward + dA_down + gate/up dB), after one chunk of all rows each.
+    # (the fused activation backward + dA_down), after one chunk of all rows each.
     chunked_out, chunked_grads = run(bytes_for_chunks(3, plan.out_dtype, intermediate=intermediate))
     assert call_rows["gated_act_lora_forward_"] == [TOKENS, 12, 12, 13]
-    assert call_rows["gated_act_backward_lora_grads_"] == [TOKENS, 12, 12, 13]
+    assert call_rows["gated_act_backward_weight_grad_"] == [TOKENS, 12, 12, 13]
     assert chunked_out.dtype == plan.out_dtype
     # Each row's output is computed by the same ops either way (bit-identical on the CPU); only the
     # order of the sums over tokens (dA_down) changes: 1.3e-7 measured. A skipped copy is off by O(1).

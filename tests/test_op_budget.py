@@ -120,7 +120,7 @@ _QKV_SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2)]
 _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
 
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
-GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_lora_grads_"
+GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grad_"
 
 
 def _with_casts(budget: dict[str, int], casts: int) -> dict[str, int]:
@@ -142,13 +142,12 @@ CASES = {
         4,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
-    # consumed inside the gated kernels, whose backward also makes dA_down and gate's and up's dB
-    # (weight grads left: dB_down and the gate/up dA); down as one projection.
+    # consumed inside the gated kernels; down as one projection.
     "mlp": (
         _mlp,
         _MLP_SHAPES,
         {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
-        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 2, GATED_BWD: 1},
+        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
         5,
     ),
 }

@@ -33,11 +33,7 @@ import torch
 
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
-from ..kernels.gated_act_lora import (
-    MAX_GATE_UP_RANK,
-    gated_act_backward_lora_grads_,
-    gated_act_backward_weight_grad_,
-)
+from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .shared_input import (
@@ -159,35 +155,20 @@ def _down_backward_(
     plan: DtypePlan,
     needs_a: bool,
     chunks: Sequence[slice],
-    gate_up_terms: Optional[GateUpLoraTerms] = None,
-) -> tuple[Optional[torch.Tensor], ...]:
+) -> Optional[torch.Tensor]:
     """Per chunk of rows: dh, then one fused op that turns it into the gate/up gradients in the saved
     gate/up buffers themselves and, when dA_down is needed, recomputes h from those rows (before it
-    overwrites them) for h's share of dA_down; with `gate_up_terms` (and dA_down needed) the same op
-    also makes gate's and up's dB from the gradients it writes. Returns (dA_down fp32 `[r, I]`, dB_gate
-    `[I, r_gate]`, dB_up), each fp32 or None.
+    overwrites them) for h's share of dA_down. Returns dA_down (fp32 `[r, I]`), or None.
 
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
     """
-    grad_a = grad_b_gate = grad_b_up = None
+    grad_a = None
     for rows in chunks:
         grad_hidden = shared_input_grad_x(
             [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype
         )
         # These rows of gate/up hold their gradients afterwards.
-        if needs_a and gate_up_terms is not None:
-            # dB of gate and up too, where lora_weight_grad would read each stored gradient again.
-            terms = gate_up_terms.rows(rows)
-            grads_rows = gated_act_backward_lora_grads_(
-                grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale,
-                terms.gate_left, terms.gate_scale, terms.up_left, terms.up_scale,
-            )  # fmt: skip
-            if grad_a is None:
-                grad_a, grad_b_gate, grad_b_up = grads_rows
-            else:
-                for total, part in zip((grad_a, grad_b_gate, grad_b_up), grads_rows):
-                    total.add_(part)
-        elif needs_a:
+        if needs_a:
             # One pass over dh, gate and up instead of three launches that recompute h, read it for
             # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora).
             grad_a_rows = gated_act_backward_weight_grad_(
@@ -197,36 +178,7 @@ def _down_backward_(
         else:
             gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)
         del grad_hidden
-    return grad_a, grad_b_gate, grad_b_up
-
-
-def _fuses_gate_up_b(
-    gate_up_loras: Sequence[LoraWeights], needs_gate_up: Sequence[LoraWeights], needs_down_a: bool
-) -> bool:
-    """Whether the activation's backward kernel makes gate's and up's dB: it runs only for a trainable
-    down lora_A, and takes each rank in one block; otherwise `lora_weight_grad` makes them."""
-    return (
-        needs_down_a
-        and all(need.lora_b for need in needs_gate_up)
-        and max(lora.lora_a.shape[0] for lora in gate_up_loras) <= MAX_GATE_UP_RANK
-    )
-
-
-def _with_gate_up_b(
-    grad_loras: list[LoraWeights],
-    loras: Sequence[LoraWeights],
-    grad_b_gate: torch.Tensor,
-    grad_b_up: torch.Tensor,
-) -> list[LoraWeights]:
-    """Gate's and up's gradients with their dB (fp32 `[I, r]`) in place, cast to lora_B's dtype; one
-    gate_up's dB is the two halves stacked."""
-    if len(loras) == 2:
-        return [
-            grad._replace(lora_b=grad_b.to(lora.lora_b.dtype))
-            for grad, lora, grad_b in zip(grad_loras, loras, (grad_b_gate, grad_b_up))
-        ]
-    (grad,), (lora,) = grad_loras, loras
-    return [grad._replace(lora_b=torch.cat([grad_b_gate, grad_b_up]).to(lora.lora_b.dtype))]
+    return grad_a
 
 
 class GatedMlpSettings:
@@ -310,25 +262,16 @@ class LoraGatedMlpFunction(torch.autograd.Function):
                 None, ha_down, [grad_2d], grad_ha, down_scale, bases[-1:], [down_lora],
                 [need_down._replace(lora_a=False)], needs_bases[-1:],
             )  # fmt: skip
-            gate_up_loras, needs_gate_up = loras[:-1], needs_loras[:-1]
-            fuse_gate_up_b = _fuses_gate_up_b(gate_up_loras, needs_gate_up, need_down.lora_a)
-            gate_up_terms = _gate_up_lora_terms(xa_in, gate_up_loras) if fuse_gate_up_b else None
-            grad_a_down, *grad_b_gate_up = _down_backward_(
+            grad_a_down = _down_backward_(
                 gate, up, ctx.activation, grad_2d, grad_ha, down_scale, _dense_base(bases[-1], plan),
-                down_lora, plan, need_down.lora_a, ctx.chunks, gate_up_terms,
+                down_lora, plan, need_down.lora_a, ctx.chunks,
             )  # fmt: skip
             if grad_a_down is not None:
                 down_grad_lora = down_grad_lora._replace(lora_a=grad_a_down.to(down_lora.lora_a.dtype))
-            if fuse_gate_up_b:  # dB of gate and up is made; the rest of their backward leaves it out
-                needs_gate_up = [need._replace(lora_b=False) for need in needs_gate_up]
             gate_up = shared_input_backward(
-                x_2d, xa_in, bases[:-1], gate_up_loras, plan, pre_activations, ctx.needs_input_grad[0],
-                needs_gate_up, needs_bases[:-1],
+                x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, ctx.needs_input_grad[0],
+                needs_loras[:-1], needs_bases[:-1],
             )  # fmt: skip
-            if fuse_gate_up_b:
-                gate_up = gate_up._replace(
-                    loras=_with_gate_up_b(gate_up.loras, gate_up_loras, *grad_b_gate_up)
-                )
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
         grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
         return (grad_x, None, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))

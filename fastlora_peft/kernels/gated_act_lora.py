@@ -57,25 +57,17 @@ _MIN_ROWS_PER_SPLIT = 512
 
 @triton.jit
 def _rank_block_pass(
-    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, GateLeft_ptr, UpLeft_ptr,
-    offs_i, mask_i, r0, R, gate_rank, up_rank, m_start, m_end, scale,
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr,
+    offs_i, mask_i, r0, R, m_start, m_end, scale,
     stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
-    stride_glm, stride_glr, stride_ulm, stride_ulr,
-    ACTIVATION: tl.constexpr, STORE_GRADS: tl.constexpr, GATE_UP_B: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Out[r0 : r0 + BLOCK_R, offs_i] = scale * Left[rows, r0 : ...]^T @ h[rows, offs_i] over rows
-    [m_start, m_end); with STORE_GRADS, also gate, up <- grad_gate, grad_up on those rows and columns,
-    and with GATE_UP_B returns (grad_gate^T @ GateLeft, grad_up^T @ UpLeft) [BLOCK_I, BLOCK_RG / RU]
-    from the stored (rounded) gradients, unscaled; else two zero tiles."""
+    [m_start, m_end); with STORE_GRADS, also gate, up <- grad_gate, grad_up on those rows and columns."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_m = tl.arange(0, BLOCK_M)
-    offs_rg = tl.arange(0, BLOCK_RG)
-    offs_ru = tl.arange(0, BLOCK_RU)
-    acc_gate_b = tl.zeros((BLOCK_I, BLOCK_RG), dtype=tl.float32)
-    acc_up_b = tl.zeros((BLOCK_I, BLOCK_RU), dtype=tl.float32)
     # Computed as Out^T[I, R] = h^T @ Left, as lora_terms' weight-grad kernel does (91 against 189us
     # there on an H200): h^T, made in registers, is tl.dot's first operand in any layout, and the fp32
     # second operand wants its token dim contiguous, which the launcher arranges for Left.
@@ -94,24 +86,8 @@ def _rank_block_pass(
         if STORE_GRADS:  # this program loaded these gate/up elements just now, and no other reads them
             grad_h_ptrs = Grad_h_ptr + rows[None, :] * stride_grad_h_m + offs_i[:, None]
             grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
-            grad_gate = (grad_h * up * dact).to(Gate_ptr.dtype.element_ty)
-            grad_up = (grad_h * act).to(Up_ptr.dtype.element_ty)
-            tl.store(gate_ptrs, grad_gate, mask=mask)
-            tl.store(up_ptrs, grad_up, mask=mask)
-            if GATE_UP_B:
-                # dB of gate and up from the gradients as stored, as lora_weight_grad would read them.
-                gate_left_ptrs = GateLeft_ptr + rows[:, None] * stride_glm + offs_rg[None, :] * stride_glr
-                gate_left = tl.load(
-                    gate_left_ptrs, mask=mask_m[:, None] & (offs_rg < gate_rank)[None, :], other=0.0
-                ).to(tl.float32)
-                acc_gate_b = tl.dot(
-                    grad_gate.to(tl.float32), gate_left, acc_gate_b, input_precision=DOT_PRECISION
-                )
-                up_left_ptrs = UpLeft_ptr + rows[:, None] * stride_ulm + offs_ru[None, :] * stride_ulr
-                up_left = tl.load(
-                    up_left_ptrs, mask=mask_m[:, None] & (offs_ru < up_rank)[None, :], other=0.0
-                ).to(tl.float32)
-                acc_up_b = tl.dot(grad_up.to(tl.float32), up_left, acc_up_b, input_precision=DOT_PRECISION)
+            tl.store(gate_ptrs, (grad_h * up * dact).to(Gate_ptr.dtype.element_ty), mask=mask)
+            tl.store(up_ptrs, (grad_h * act).to(Up_ptr.dtype.element_ty), mask=mask)
         # h as the forward stored it: rounded once to gate's dtype (a no-op for fp32).
         h_t = (act * up).to(Gate_ptr.dtype.element_ty).to(tl.float32)
         left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
@@ -119,23 +95,20 @@ def _rank_block_pass(
         acc = tl.dot(h_t, left, acc, input_precision=DOT_PRECISION)
     out_ptrs = Out_ptr + offs_i[:, None] * stride_oi + offs_r[None, :] * stride_or
     tl.store(out_ptrs, scale * acc, mask=mask_i[:, None] & mask_r[None, :])
-    return acc_gate_b, acc_up_b
 
 
 @CachedKernel
 @triton.jit
 def _gated_act_backward_weight_grad_kernel(
-    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, GateLeft_ptr, UpLeft_ptr, GateOutB_ptr, UpOutB_ptr,
-    M, n_cols, R, gate_rank, up_rank, scale, gate_scale, up_scale, rows_per_split,
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr,
+    M, n_cols, R, scale, rows_per_split,
     stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_os, stride_or, stride_oi,
-    stride_glm, stride_glr, stride_ulm, stride_ulr,
-    ACTIVATION: tl.constexpr, GATE_UP_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_RG: tl.constexpr, BLOCK_RU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """gate, up <- grad_gate, grad_up and Out[s, R, I] = scale * Left[M_s, R]^T @ h[M_s, I] over split
-    s's rows M_s = [s * rows_per_split, ...); with GATE_UP_B also GateOutB[s, I, gate_rank] =
-    gate_scale * grad_gate[M_s, I]^T @ GateLeft[M_s, gate_rank] (gate_rank <= BLOCK_RG), UpOutB
-    likewise. One program per (BLOCK_I columns, split); the caller sums the splits."""
+    s's rows M_s = [s * rows_per_split, ...). One program per (BLOCK_I columns, split); the caller sums
+    the splits."""
     pid_i = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -149,29 +122,19 @@ def _gated_act_backward_weight_grad_kernel(
     last_r0 = (R - 1) // BLOCK_R * BLOCK_R
     for r0 in range(0, last_r0, BLOCK_R):
         _rank_block_pass(
-            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr, GateLeft_ptr, UpLeft_ptr,
-            offs_i, mask_i, r0, R, gate_rank, up_rank, m_start, m_end, scale,
+            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr,
+            offs_i, mask_i, r0, R, m_start, m_end, scale,
             stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
-            stride_glm, stride_glr, stride_ulm, stride_ulr,
-            ACTIVATION=ACTIVATION, STORE_GRADS=False, GATE_UP_B=False, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
-            BLOCK_R=BLOCK_R, BLOCK_RG=BLOCK_RG, BLOCK_RU=BLOCK_RU, DOT_PRECISION=DOT_PRECISION,
+            ACTIVATION=ACTIVATION, STORE_GRADS=False, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
+            DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    acc_gate_b, acc_up_b = _rank_block_pass(
-        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr, GateLeft_ptr, UpLeft_ptr,
-        offs_i, mask_i, last_r0, R, gate_rank, up_rank, m_start, m_end, scale,
+    _rank_block_pass(
+        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr,
+        offs_i, mask_i, last_r0, R, m_start, m_end, scale,
         stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
-        stride_glm, stride_glr, stride_ulm, stride_ulr,
-        ACTIVATION=ACTIVATION, STORE_GRADS=True, GATE_UP_B=GATE_UP_B, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
-        BLOCK_R=BLOCK_R, BLOCK_RG=BLOCK_RG, BLOCK_RU=BLOCK_RU, DOT_PRECISION=DOT_PRECISION,
+        ACTIVATION=ACTIVATION, STORE_GRADS=True, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
+        DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
-    if GATE_UP_B:  # [split, I, rank] slabs, contiguous: dB's own layout once the splits are summed
-        offs_rg = tl.arange(0, BLOCK_RG)
-        gate_b_ptrs = GateOutB_ptr + (pid_s * n_cols + offs_i)[:, None] * gate_rank + offs_rg[None, :]
-        gate_b_mask = mask_i[:, None] & (offs_rg < gate_rank)[None, :]
-        tl.store(gate_b_ptrs, gate_scale * acc_gate_b, mask=gate_b_mask)
-        offs_ru = tl.arange(0, BLOCK_RU)
-        up_b_ptrs = UpOutB_ptr + (pid_s * n_cols + offs_i)[:, None] * up_rank + offs_ru[None, :]
-        tl.store(up_b_ptrs, up_scale * acc_up_b, mask=mask_i[:, None] & (offs_ru < up_rank)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,7 +154,6 @@ def _gated_act_backward_weight_grad_triton(
     activation: str,
     left: torch.Tensor,
     scale: float,
-    gate_up_lefts: tuple[torch.Tensor, float, torch.Tensor, float] | None = None,
     split: int | None = None,
     block_m: int = 32,
     block_i: int = 64,
@@ -199,25 +161,17 @@ def _gated_act_backward_weight_grad_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     split_per_sm: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dA_down [R, I], dB_gate [I, r_gate], dB_up [I, r_up]) as fp32; the dBs are None unless
-    gate_up_lefts = (gate_left, gate_scale, up_left, up_scale) is given (ranks at most 64)."""
+) -> torch.Tensor:
     M, n_cols = gate.shape
     R = left.shape[1]
-    device = gate.device
     if M == 0 or n_cols == 0 or R == 0:
         if R == 0:  # no weight gradient, but gate/up still become their gradients
             _gated_act_backward_triton(grad_h, gate, up, activation, in_place=True)
-        grad_a = torch.zeros((R, n_cols), dtype=torch.float32, device=device)
-        if gate_up_lefts is None:
-            return grad_a, None, None
-        # R == 0 never comes from the MLP (it calls this op only for a trainable down lora_A).
-        gate_left, gate_scale, up_left, up_scale = gate_up_lefts
-        return grad_a, gate_scale * (gate.T.float() @ gate_left), up_scale * (up.T.float() @ up_left)
+        return torch.zeros((R, n_cols), dtype=torch.float32, device=gate.device)
     grad_h = _unit_column_stride(grad_h)
     # Left's token dim contiguous, as lora_terms' weight grad wants it: M * R * 4 bytes, 0.5 MB for
-    # a 2048-row chunk at rank 64. The same for gate's and up's lefts.
-    left = _token_major(left)
+    # a 2048-row chunk at rank 64.
+    left = left if left.stride(0) == 1 else left.T.contiguous().T
     block_r = block_r or _rank_block(R, cap=64)
     col_tiles = cdiv(n_cols, block_i)
     if split is None:
@@ -227,41 +181,19 @@ def _gated_act_backward_weight_grad_triton(
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: each split writes its own [R, I] slab, summed below in a fixed order (no atomics).
-    partial = torch.empty((split * R, n_cols), dtype=torch.float32, device=device)
-    if gate_up_lefts is None:
-        gate_left, gate_scale, up_left, up_scale = left, 0.0, left, 0.0  # unread: GATE_UP_B is off
-        gate_partial = up_partial = partial
-    else:
-        gate_left, gate_scale, up_left, up_scale = gate_up_lefts
-        gate_left, up_left = _token_major(gate_left), _token_major(up_left)
-        gate_partial = torch.empty((split, n_cols, gate_left.shape[1]), dtype=torch.float32, device=device)
-        up_partial = torch.empty((split, n_cols, up_left.shape[1]), dtype=torch.float32, device=device)
-    gate_rank, up_rank = gate_left.shape[1], up_left.shape[1]
+    partial = torch.empty((split * R, n_cols), dtype=torch.float32, device=gate.device)
     grid = (col_tiles, split)
     _gated_act_backward_weight_grad_kernel[grid](
-        grad_h, gate, up, left, partial, gate_left, up_left, gate_partial, up_partial,
-        M, n_cols, R, gate_rank, up_rank, float(scale), float(gate_scale), float(up_scale), rows_per_split,
+        grad_h, gate, up, left, partial,
+        M, n_cols, R, float(scale), rows_per_split,
         grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1),
         R * n_cols, n_cols, 1,
-        gate_left.stride(0), gate_left.stride(1), up_left.stride(0), up_left.stride(1),
-        ACTIVATION=activation, GATE_UP_B=gate_up_lefts is not None, BLOCK_M=block_m, BLOCK_I=block_i,
-        BLOCK_R=block_r, BLOCK_RG=_rank_block(gate_rank, cap=64), BLOCK_RU=_rank_block(up_rank, cap=64),
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
         # left is fp32: plain tf32 would keep 10 of its mantissa bits (see lora_terms).
         DOT_PRECISION=_FP32_DOT_PRECISION,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    grad_a = partial if split == 1 else partial.view(split, R, n_cols).sum(dim=0)
-    if gate_up_lefts is None:
-        return grad_a, None, None
-    return grad_a, _sum_splits(gate_partial), _sum_splits(up_partial)
-
-
-def _token_major(left: torch.Tensor) -> torch.Tensor:
-    return left if left.stride(0) == 1 else left.T.contiguous().T
-
-
-def _sum_splits(partial: torch.Tensor) -> torch.Tensor:
-    return partial[0] if partial.shape[0] == 1 else partial.sum(dim=0)
+    return partial if split == 1 else partial.view(split, R, n_cols).sum(dim=0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -318,7 +250,7 @@ def _gated_act_backward_weight_grad_body(
     if runs_triton(gate):
         return _gated_act_backward_weight_grad_triton(
             grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale
-        )[0]
+        )
     grad_gate, grad_up, grad_weight = _reference.gated_act_backward_weight_grad(
         grad_h, gate, up, activation, left, scale
     )
@@ -343,103 +275,3 @@ def _(
 ) -> torch.Tensor:
     _check_weight_grad_inputs(grad_h, gate, up, activation, left)
     return left.new_empty((left.shape[1], gate.shape[1]))
-
-
-# ---------------------------------------------------------------------------------------------------
-# The same kernel with gate's and up's dB added: `fastlora::gated_act_backward_lora_grads_`.
-# ---------------------------------------------------------------------------------------------------
-
-_LORA_GRADS_OP = "gated_act_backward_lora_grads_"
-# gate's and up's ranks take one rank block each inside the kernel's row loop.
-MAX_GATE_UP_RANK = 64
-
-
-def _check_lora_grads_inputs(grad_h, gate, up, activation, left, gate_left, up_left) -> None:
-    _check_weight_grad_inputs(grad_h, gate, up, activation, left)
-    for name, tensor in (("gate_left", gate_left), ("up_left", up_left)):
-        if tensor.dim() != 2 or tensor.shape[0] != gate.shape[0] or tensor.shape[1] > MAX_GATE_UP_RANK:
-            raise ValueError(
-                f"{_LORA_GRADS_OP}: {name} must be [M, r] with M={gate.shape[0]} (gate's rows) and "
-                f"r <= {MAX_GATE_UP_RANK}, got shape {tuple(tensor.shape)}"
-            )
-        if tensor.dtype != left.dtype or tensor.device != left.device:
-            raise ValueError(
-                f"{_LORA_GRADS_OP}: {name} must be {left.dtype} on {left.device} (left's), "
-                f"got {tensor.dtype} on {tensor.device}"
-            )
-
-
-def gated_act_backward_lora_grads_(
-    grad_h: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    left: torch.Tensor,
-    scale: float,
-    gate_left: torch.Tensor,
-    gate_scale: float,
-    up_left: torch.Tensor,
-    up_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As :func:`gated_act_backward_weight_grad_` (gate, up <- their gradients in place), returning
-    ``(scale * left.T @ h, gate_scale * grad_gate.T @ gate_left, up_scale * grad_up.T @ up_left)``:
-    dA of the down projection [R, I] and dB of gate and up ([I, r_gate], [I, r_up], r <= 64), fp32,
-    the dBs from the gradients as stored (rounded to gate's dtype). One pass over dh, gate and up, where
-    the unfused path reads each stored gradient again for its dB."""
-    args = (grad_h, gate, up, activation, left, scale, gate_left, gate_scale, up_left, up_scale)
-    if skips_op_dispatch(grad_h, gate, up, left, gate_left, up_left):
-        return _gated_act_backward_lora_grads_body(*args)
-    return gated_act_backward_lora_grads_op(*args)
-
-
-def _gated_act_backward_lora_grads_body(
-    grad_h: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    left: torch.Tensor,
-    scale: float,
-    gate_left: torch.Tensor,
-    gate_scale: float,
-    up_left: torch.Tensor,
-    up_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_lora_grads_inputs(grad_h, gate, up, activation, left, gate_left, up_left)
-    if runs_triton(gate):
-        return _gated_act_backward_weight_grad_triton(
-            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale,
-            gate_up_lefts=(gate_left, gate_scale, up_left, up_scale),
-        )  # fmt: skip
-    grad_gate, grad_up, *weight_grads = _reference.gated_act_backward_lora_grads(
-        grad_h, gate, up, activation, left, scale, gate_left, gate_scale, up_left, up_scale
-    )
-    gate.copy_(grad_gate)
-    up.copy_(grad_up)
-    return tuple(weight_grads)
-
-
-gated_act_backward_lora_grads_op = torch.library.custom_op(
-    f"{OP_NAMESPACE}::{_LORA_GRADS_OP}", _gated_act_backward_lora_grads_body, mutates_args=("gate", "up")
-)
-
-
-@gated_act_backward_lora_grads_op.register_fake
-def _(
-    grad_h: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    left: torch.Tensor,
-    scale: float,
-    gate_left: torch.Tensor,
-    gate_scale: float,
-    up_left: torch.Tensor,
-    up_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_lora_grads_inputs(grad_h, gate, up, activation, left, gate_left, up_left)
-    n_cols = gate.shape[1]
-    return (
-        left.new_empty((left.shape[1], n_cols)),
-        left.new_empty((n_cols, gate_left.shape[1])),
-        left.new_empty((n_cols, up_left.shape[1])),
-    )

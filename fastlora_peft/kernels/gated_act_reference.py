@@ -94,25 +94,3 @@ def gated_act_lora_forward(
     new_gate = (_wide(gate) + gate_scale * (_wide(gate_left) @ _wide(gate_right).T)).to(gate.dtype)
     new_up = (_wide(up) + up_scale * (_wide(up_left) @ _wide(up_right).T)).to(up.dtype)
     return new_gate, new_up, gated_act_forward(new_gate, new_up, activation)
-
-
-def gated_act_backward_lora_grads(
-    grad_h: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    left: torch.Tensor,
-    scale: float,
-    gate_left: torch.Tensor,
-    gate_scale: float,
-    up_left: torch.Tensor,
-    up_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`gated_act_backward_weight_grad`'s three, then gate's and up's dB: ``gate_scale *
-    grad_gate.T @ gate_left`` [I, r_gate] and up's likewise, from the gradients rounded to gate's dtype
-    (as stored, and as a separate weight-grad op would read them), summed in float32 (float64)."""
-    grads = gated_act_backward_weight_grad(grad_h, gate, up, activation, left, scale)
-    grad_gate, grad_up, grad_weight = grads
-    grad_b_gate = gate_scale * (_wide(grad_gate).T @ _wide(gate_left))
-    grad_b_up = up_scale * (_wide(grad_up).T @ _wide(up_left))
-    return grad_gate, grad_up, grad_weight, grad_b_gate.contiguous(), grad_b_up.contiguous()
