@@ -247,3 +247,15 @@ def _fresh_runtime_fallback_warnings():
 
     fused_projection._WARNED_RUNTIME_REASONS.clear()
     yield
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel (monkeypatched over the module's name for it) and records each
+    launch's grid before launching it, so a test can tell the kernel ran, and how often."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]

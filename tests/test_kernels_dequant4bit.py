@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from conftest import LaunchSpy
 
 from fastlora_peft.kernels import dequant4bit, dequant4bit_reference
 from fastlora_peft.kernels._backend import runs_triton
@@ -205,18 +206,6 @@ def test_triton_masks_match_reference(rows, cols, blocksize, nested, elements_pe
     assert_bitwise_equal(actual, expected)
 
 
-class _KernelSpy:
-    """Stands in for the @triton.jit kernel and counts launches (``kernel[grid](...)``)."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-        self.grids: list = []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 def _both_paths(case: Case) -> tuple[list[torch.Tensor], torch.Tensor]:
     """dequantize()'s eager call and the library op on one case, and bitsandbytes' result."""
     packed, quant_state, expected = quantized(case)
@@ -230,7 +219,7 @@ def _both_paths(case: Case) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 @needs_triton
 def test_triton_kernel_runs_where_triton_runs(monkeypatch) -> None:
-    spy = _KernelSpy(dequant4bit._dequantize_4bit_kernel)
+    spy = LaunchSpy(dequant4bit._dequantize_4bit_kernel)
     monkeypatch.setattr(dequant4bit, "_dequantize_4bit_kernel", spy)
 
     def reference_must_not_run(*args, **kwargs):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import LaunchSpy
 
 from fastlora_peft.kernels import gated_act, gated_act_reference
 from fastlora_peft.kernels._backend import TRITON_INTERPRET, runs_triton
@@ -143,21 +144,10 @@ def test_forward_is_differentiable_through_backward_op(activation: str):
         torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
 
 
-class _LaunchSpy:
-    """Stands in for a Triton kernel and records each launch's grid before launching it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 def _spy_on_paths(monkeypatch):
     launches = {}
     for name in ("_gated_act_forward_kernel", "_gated_act_backward_kernel"):
-        launches[name] = _LaunchSpy(getattr(gated_act, name))
+        launches[name] = LaunchSpy(getattr(gated_act, name))
         monkeypatch.setattr(gated_act, name, launches[name])
     reference_calls = []
     for name in ("gated_act_forward", "gated_act_backward"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TRITON_INTERPRET, assert_rel_close, requires_interpreter
+from conftest import TRITON_INTERPRET, LaunchSpy, assert_rel_close, requires_interpreter
 
 from fastlora_peft.kernels import gated_act, gated_act_lora, gated_act_reference
 from fastlora_peft.kernels.gated_act_lora import (
@@ -173,17 +173,6 @@ def test_default_geometry_splits_tokens_with_a_partial_last_split(monkeypatch):
 
 
 # --- which path runs -----------------------------------------------------------------------------
-
-
-class LaunchSpy:
-    """Stands in for a Triton kernel and records each launch's grid before launching it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
 
 
 def spy_on_paths(monkeypatch, dtype):

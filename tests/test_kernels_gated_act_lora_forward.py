@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TRITON_INTERPRET, assert_rel_close, requires_interpreter
+from conftest import TRITON_INTERPRET, LaunchSpy, assert_rel_close, requires_interpreter
 
 from fastlora_peft.kernels import gated_act_lora_forward, gated_act_reference
 from fastlora_peft.kernels.gated_act import gated_act_forward
@@ -199,17 +199,6 @@ def test_float64_reference_matches_float64_math():
 
 
 # --- which path runs -----------------------------------------------------------------------------
-
-
-class LaunchSpy:
-    """Stands in for a Triton kernel and records each launch's grid before launching it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
 
 
 def spy_on_paths(monkeypatch, dtype):
