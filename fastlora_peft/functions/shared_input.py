@@ -79,8 +79,8 @@ def shared_input_forward(
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
     out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
     of a larger output), or None for new ones.
-    add_lora_terms: False returns the base outputs alone (new tensors of `plan.out_dtype`), for a
-    caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation).
+    add_lora_terms: False returns the base outputs alone (of `plan.out_dtype`, in `out` when given),
+    for a caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation).
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_lora_a(loras))

@@ -32,7 +32,7 @@ from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import CachedKernel, cdiv
 from .gated_act import _activation_and_derivative, _check_inputs
-from .lora_terms import _FP32_DOT_PRECISION, _expand_dot_precision, _rank_block
+from .lora_terms import _FP32_DOT_PRECISION, _expand_dot_precision, _rank_block, expand_term
 
 _OP = "gated_act_lora_forward_"
 
@@ -41,27 +41,6 @@ _OP = "gated_act_lora_forward_"
 # Kernel. Row offsets are widened to int64 before they meet a stride; column and rank offsets stay
 # int32.
 # ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _lora_term(
-    Left_ptr, Right_ptr, rows, mask_m, offs_i, mask_i, R,
-    stride_lm, stride_lr, stride_ri, stride_rr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Left[rows, :R] @ Right[offs_i, :R]^T in fp32, [BLOCK_M, BLOCK_I], as lora_expand_add makes it."""
-    offs_r = tl.arange(0, BLOCK_R)
-    left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
-    right_ptrs = Right_ptr + offs_r[:, None] * stride_rr + offs_i[None, :] * stride_ri  # [BLOCK_R, BLOCK_I]
-    acc = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        mask_r = offs_r + r0 < R
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
-        left_ptrs += BLOCK_R * stride_lr
-        right_ptrs += BLOCK_R * stride_rr
-    return acc
 
 
 @CachedKernel
@@ -90,19 +69,19 @@ def _gated_act_lora_forward_kernel(
     up_ptrs = Up_ptr + rows[:, None] * stride_up_m + offs_i[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(up_ptrs, mask=mask, other=0.0)
-    gate_term = _lora_term(
+    gate_term = expand_term(
         GateLeft_ptr, GateRight_ptr, rows, mask_m, offs_i, mask_i, gate_rank,
         stride_glm, stride_glr, stride_gri, stride_grr,
-        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_RG, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_I, BLOCK_R=BLOCK_RG, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     # Rounded to the stored dtype first: backward reads the stored gate and up, and h must be the h
     # they give (a no-op for fp32).
     gate = (gate.to(tl.float32) + gate_scale * gate_term).to(Gate_ptr.dtype.element_ty)
     tl.store(gate_ptrs, gate, mask=mask)
-    up_term = _lora_term(
+    up_term = expand_term(
         UpLeft_ptr, UpRight_ptr, rows, mask_m, offs_i, mask_i, up_rank,
         stride_ulm, stride_ulr, stride_uri, stride_urr,
-        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_RU, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_I, BLOCK_R=BLOCK_RU, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     up = (up.to(tl.float32) + up_scale * up_term).to(Up_ptr.dtype.element_ty)
     tl.store(up_ptrs, up, mask=mask)

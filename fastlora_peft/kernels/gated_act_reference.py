@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lora_terms_reference import lora_expand_add
+
 # Outputs are contiguous whatever the inputs' layout, as the Triton kernels write them.
 _CONTIGUOUS = torch.contiguous_format
 
@@ -91,6 +93,6 @@ def gated_act_lora_forward(
     """``(gate', up', h)``: ``gate' = gate + gate_scale * gate_left @ gate_right.T`` and up' likewise,
     each summed in float32 (float64) and rounded once to gate's dtype, and :func:`gated_act_forward`
     of the rounded two. left: [M, R] float32, right: [I, R]."""
-    new_gate = (_wide(gate) + gate_scale * (_wide(gate_left) @ _wide(gate_right).T)).to(gate.dtype)
-    new_up = (_wide(up) + up_scale * (_wide(up_left) @ _wide(up_right).T)).to(up.dtype)
+    new_gate = lora_expand_add(gate, gate_left, gate_right, gate_scale, gate.dtype)
+    new_up = lora_expand_add(up, up_left, up_right, up_scale, up.dtype)
     return new_gate, new_up, gated_act_forward(new_gate, new_up, activation)

@@ -145,6 +145,28 @@ def _lora_shrink_kernel(
     tl.store(out_ptrs, scale * acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
+@triton.jit
+def expand_term(
+    Left_ptr, Right_ptr, rows, mask_m, offs_n, mask_n, R,
+    stride_lm, stride_lr, stride_rn, stride_rr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Left[rows, :R] @ Right[offs_n, :R]^T in fp32, [BLOCK_M, BLOCK_N], BLOCK_R ranks per dot; rows
+    int64. The LoRA term of lora_expand_add, and of the gated activation that adds gate's and up's."""
+    offs_r = tl.arange(0, BLOCK_R)
+    left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
+    right_ptrs = Right_ptr + offs_r[:, None] * stride_rr + offs_n[None, :] * stride_rn  # [BLOCK_R, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        mask_r = offs_r + r0 < R
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
+        left_ptrs += BLOCK_R * stride_lr
+        right_ptrs += BLOCK_R * stride_rr
+    return acc
+
+
 @CachedKernel
 @triton.jit
 def _lora_expand_add_kernel(
@@ -159,28 +181,24 @@ def _lora_expand_add_kernel(
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    rows = offs_m.to(tl.int64)[:, None]
+    rows = offs_m.to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
     # Base is loaded before the rank loop, so its latency can overlap the dot (the loop has one or few
     # trips: nothing for the pipeliner). Alone it was within noise: with fp32 adapters (3xTF32 either
     # way) 57us against 60 before at M=8192, N=4096, rank 16, on two H200 machines of one session.
-    base = tl.load(Base_ptr + rows * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
-    left_ptrs = Left_ptr + rows * stride_lm + offs_r[None, :] * stride_lr
-    right_ptrs = Right_ptr + offs_r[:, None] * stride_rr + offs_n[None, :] * stride_rn  # [BLOCK_R, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        mask_r = offs_r + r0 < R
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
-        left_ptrs += BLOCK_R * stride_lr
-        right_ptrs += BLOCK_R * stride_rr
+    base = tl.load(Base_ptr + rows[:, None] * stride_bm + offs_n[None, :] * stride_bn, mask=mask, other=0.0)
+    acc = expand_term(
+        Left_ptr, Right_ptr, rows, mask_m, offs_n, mask_n, R,
+        stride_lm, stride_lr, stride_rn, stride_rr,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
     out = base.to(tl.float32) + scale * acc
     tl.store(
-        Out_ptr + rows * stride_om + offs_n[None, :] * stride_on, out.to(Out_ptr.dtype.element_ty), mask=mask
+        Out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
+        out.to(Out_ptr.dtype.element_ty),
+        mask=mask,
     )
 
 
