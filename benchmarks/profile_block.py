@@ -1,6 +1,10 @@
 """Profiles one block of the benchmark's Llama-3.1-8B layer on CUDA: kernels by CUDA time, host time.
 
 python -m benchmarks.profile_block --block o --adapters fp32 [--provider fastlora] [--base bf16] [--cprofile]
+    [--gaps]
+
+`--gaps` lists where the GPU sits idle inside a step (wall time above the kernels' sum): for each
+idle stretch, the kernel after it and the host op that launched that kernel.
 
 The block, inputs and adapters are the blocks suite's (`benchmarks.cases`), so the numbers explain
 its rows: host time per step against wall time per step tells whether the block is host-bound.
@@ -10,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
+import tempfile
 import time
+from collections import defaultdict
 
 import torch
 
@@ -29,6 +37,7 @@ def main() -> None:
     )
     parser.add_argument("--cprofile", action="store_true", help="also print Python functions by own time")
     parser.add_argument("--cpu-ops", action="store_true", help="also print torch ops by host (CPU) time")
+    parser.add_argument("--gaps", action="store_true", help="also list GPU idle stretches and their cause")
     parser.add_argument(
         "--sync-debug", action="store_true", help="warn on every host-device synchronization in one step"
     )
@@ -84,6 +93,8 @@ def main() -> None:
             torch.cuda.synchronize()
         ops = prof.key_averages()
         print(ops.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=50))
+    if args.gaps:
+        print_gaps(run)
     if args.cprofile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -93,6 +104,56 @@ def main() -> None:
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+
+
+def print_gaps(run, steps: int = 3, min_gap_us: float = 5.0) -> None:
+    """Idle GPU stretches over `steps` steps, grouped by the host op that launched the next kernel.
+
+    Kernels are matched to their launching runtime call through the trace's correlation id, and the
+    runtime call to the innermost host op around it on the same thread.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            events = json.load(file)["traceEvents"]
+    complete = [e for e in events if e.get("ph") == "X"]
+    gpu = sorted(
+        (e for e in complete if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
+    launch_kinds = ("cuda_runtime", "cuda_driver")
+    launches = {e["args"]["correlation"]: e for e in complete if e.get("cat") in launch_kinds}
+    host_ops = defaultdict(list)
+    for e in complete:
+        if e.get("cat") in ("cpu_op", "python_function", "user_annotation"):
+            host_ops[e["tid"]].append(e)
+
+    def launching_op(kernel: dict) -> str:
+        launch = launches.get(kernel["args"].get("correlation"))
+        if launch is None:
+            return "?"
+        at = launch["ts"]
+        around = [e for e in host_ops[launch["tid"]] if e["ts"] <= at < e["ts"] + e["dur"]]
+        inner = min(around, key=lambda e: e["dur"], default=None)
+        return f"{launch['name']} in {inner['name'] if inner else '-'}"
+
+    busy = sum(e["dur"] for e in gpu)
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    by_cause: dict[str, list[float]] = defaultdict(list)
+    for before, after in zip(gpu, gpu[1:]):
+        idle = after["ts"] - (before["ts"] + before["dur"])
+        if idle >= min_gap_us:
+            by_cause[f"{after['name'][:60]} <- {launching_op(after)[:70]}"].append(idle)
+    print(f"GPU span {span / steps / 1e3:.3f} ms/step, busy {busy / steps / 1e3:.3f}, "
+          f"idle {(span - busy) / steps / 1e3:.3f}; stretches >= {min_gap_us:g} us, per step:")  # fmt: skip
+    rows = sorted(by_cause.items(), key=lambda item: -sum(item[1]))
+    for cause, gaps in rows[:25]:
+        print(f"  {sum(gaps) / steps:8.1f} us  {len(gaps) / steps:5.1f}x  max {max(gaps):7.1f}  {cause}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
-python -m benchmarks.tune_lora_terms [--expand-add | --gated | --gated-forward]
+python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --gated | --gated-forward]
 
 Per shape: the default, then the fastest configs.
 
@@ -94,15 +94,19 @@ def tune_weight_grad(k: int, rank: int) -> None:
     left = torch.randn(TOKENS, rank, device="cuda", dtype=torch.float32)
     default = _bench(lambda: lt._lora_weight_grad_triton(left=left, x=x, scale=0.5))
     results = []
-    for block_m, block_k in itertools.product((32, 64, 128), (64, 128, 256)):
+    for block_m, block_k, warps, stages in itertools.product((64, 128), (128, 256), (4, 8), (2, 3, 4)):
 
-        def launch(block_m=block_m, block_k=block_k):
-            lt._lora_weight_grad_triton(left=left, x=x, scale=0.5, block_m=block_m, block_k=block_k)
+        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
+            lt._lora_weight_grad_triton(
+                left=left, x=x, scale=0.5,
+                block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
 
+        config = dict(m=block_m, k=block_k, w=warps, s=stages)
         try:
-            results.append((_bench(launch), dict(m=block_m, k=block_k)))
+            results.append((_bench(launch), config))
         except Exception as error:
-            print(f"  skip m={block_m} k={block_k}: {type(error).__name__}")
+            print(f"  skip {config}: {type(error).__name__}")
     _report(f"weight_grad K={k} R={rank}", default, results, x.numel() * 2)
 
 
@@ -182,7 +186,7 @@ def tune_gated_lora_forward(
     default = _bench(fused)
     results = []
     tiles = ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128))
-    for (block_m, block_i), warps, stages in itertools.product(tiles, (4, 8), (1, 2)):
+    for (block_m, block_i), warps, stages in itertools.product(tiles, (4, 8), (1, 2, 3)):
         config = dict(m=block_m, i=block_i, w=warps, s=stages)
         try:
             timed = _bench(
@@ -212,6 +216,10 @@ def main() -> None:
         return
     if "--gated" in sys.argv:
         tune_gated_weight_grad()
+        return
+    if "--weight-grad" in sys.argv:
+        for k in (14336, 4096):
+            tune_weight_grad(k, 16)
         return
     if "--expand-add" in sys.argv:
         for n, rank, dtype in expand_add_shapes:

@@ -317,7 +317,7 @@ def _lora_expand_add_triton(
     block_r: int | None = None,
     out: torch.Tensor | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     M, N = base.shape
     R = left.shape[1]
@@ -335,12 +335,20 @@ def _lora_expand_add_triton(
     # defaults timed alone, against an in-place `mul_` (a pure read and write) at 36 and 114us:
     # * plain tf32 (16-bit adapters into bf16): 32 x 256 tiles, 49us at N=4096 and 163us at N=14336
     #   for rank 16, 66 and 211us for rank 64; before (3xTF32, 64 x 128, 3 stages) 62, 191, 157, 527us.
+    #   Seventh session, same machine type, 6 candidates x ranks 8/16/64/128 x M 2048/8192 (bf16
+    #   adapters, `docs/benchmarks/session7/tune_expand_add_ranks.log`): up to rank 16, 64 x 128 with 3 stages
+    #   beat 32 x 256 with 2 (rank 16: 41.8 against 47.5us at N=4096, 129 against 155 at N=14336;
+    #   M=2048 N=14336, an MLP chunk's dh: 37.5 against 43.4; rank 8 within 3%); at rank 64 it was
+    #   2-6% slower, so wider rank tiles keep 32 x 256.
     # * 3xTF32 (fp32 adapters, fp32/fp16 outputs): 64 x 128 at rank 16, 57 and 181us; 64 x 64 above,
     #   104 and 340us at rank 64 (32 x 256 took 3000us at rank 64 there: three dots of that tile spill).
-    if precision == "tf32":
+    if precision == "tf32" and block_r <= 16:
+        block_m, block_n, num_stages = block_m or 64, block_n or 128, num_stages or 3
+    elif precision == "tf32":
         block_m, block_n = block_m or 32, block_n or 256
     else:
         block_m, block_n = block_m or 64, block_n or (128 if block_r <= 16 else 64)
+    num_stages = num_stages or 2
     grid = (cdiv(N, block_n), cdiv(M, block_m))
     _lora_expand_add_kernel[grid](
         base, left, right, out,
@@ -370,6 +378,8 @@ def _lora_weight_grad_triton(
     block_m: int | None = None,
     block_k: int = 128,
     block_r: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     M, R = left.shape
     K = x.shape[1]
@@ -402,7 +412,7 @@ def _lora_weight_grad_triton(
         R * K, stride_or, stride_ok,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
-        num_warps=8, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     total = partial if split == 1 else partial.view(split, rows, cols).sum(dim=0)
     return total.T if k_major else total
