@@ -182,3 +182,24 @@ def test_mlp_adds_gate_and_up_lora_terms_inside_the_activation_kernel(layout_id)
     forward_ops, _ = _counted_step(run, LAYOUTS[layout_id], shapes)
     assert forward_ops[GATED_FWD] == 1 and forward_ops[EXPAND] == 1, forward_ops
     assert "fastlora.gated_act_forward" not in forward_ops and "fastlora.lora_expand_add" not in forward_ops
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_weight_grads_get_token_major_left_operands(case, monkeypatch):
+    # lora_weight_grad's launcher copies a left operand ([tokens, r] fp32: xa or dY @ B) that is not
+    # token-major (stride(0) == 1) before its kernel reads it; the copy is inside the op, where the
+    # budgets above cannot see it. A group's dY_i @ B_i side by side used to come out row-major.
+    from fastlora_peft.functions import shared_input
+
+    lefts = []
+
+    def spy(left, x, scale, k_major=False):
+        lefts.append((tuple(left.shape), left.stride()))
+        return weight_grad(left, x, scale, k_major)
+
+    weight_grad = shared_input.lora_weight_grad
+    monkeypatch.setattr(shared_input, "lora_weight_grad", spy)
+    run, shapes, _, backward_budget, _ = CASES[case]
+    _counted_step(run, LAYOUTS["bf16"], shapes)
+    assert len(lefts) == backward_budget[WGRAD], lefts
+    assert all(stride[0] == 1 for _, stride in lefts), lefts

@@ -139,10 +139,13 @@ def hoisted_grad_xa(
     if len(loras) == 1:
         return lora_shrink(grads_2d[0], loras[0].lora_b.t()), loras[0].scale
     # Each shrink applies its own scale to its fp32 sum (no separate scaling pass per projection).
-    grad_xa = torch.cat(
-        [lora_shrink(grad, lora.lora_b.t(), lora.scale) for grad, lora in zip(grads_2d, loras)], dim=1
+    # Each comes out token-major ([tokens, r_i], strides (1, tokens)); so does the result, as one cat
+    # of their transposes: dA's lora_weight_grad wants that layout and copies any other (a cat along
+    # dim 1 comes out row-major, and cost that copy on every group's backward).
+    grad_xa_t = torch.cat(
+        [lora_shrink(grad, lora.lora_b.t(), lora.scale).t() for grad, lora in zip(grads_2d, loras)], dim=0
     )
-    return grad_xa, 1.0
+    return grad_xa_t.t(), 1.0
 
 
 def shared_input_grad_x(
