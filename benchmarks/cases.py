@@ -233,6 +233,17 @@ def block_step(layer: nn.Module, block: str, x: torch.Tensor, grad_outs: list[to
     return Step(forward=lambda: block_outputs(layer, block, x), backward=backward, reset=reset)
 
 
+def one_layer_block_step(
+    geo: Geometry, block: str, provider: str, base: str, adapters: str, tokens: int, device: torch.device
+) -> Step:
+    """One block of a fresh one-layer model of `geo` as `provider` adapts it, on batch 1 of `tokens`:
+    what the single-block tools (profile_block, compiled_step, sustained_load) time."""
+    model = build_llama(geo, layers=1, vocab=256, base=base, device=device)
+    model = adapt(model, provider, adapters, geo.rank, geo.alpha)
+    x, grad_outs = block_inputs(geo, block, 1, tokens, device)
+    return block_step(decoder_layer(model), block, x, grad_outs)
+
+
 def compare_blocks(reference: nn.Module, candidate: nn.Module, block: str, x, grad_outs) -> dict[str, float]:
     """Relative errors of the candidate's output, dX and LoRA gradients against the reference's."""
     results = []

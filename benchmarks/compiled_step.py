@@ -26,10 +26,9 @@ def build_step(case: str, provider: str, args, geo: cases.Geometry, device: torc
         generator = torch.Generator(device=device).manual_seed(3)
         ids = torch.randint(0, geo.vocab, (geo.batch, geo.seq), generator=generator, device=device)
         return cases.model_step(model, ids, provider)
-    model = cases.build_llama(geo, layers=1, vocab=256, base=args.base, device=device)
-    model = cases.adapt(model, provider, args.adapters, geo.rank, geo.alpha)
-    x, grad_outs = cases.block_inputs(geo, case, 1, args.tokens or geo.tokens, device)
-    return cases.block_step(cases.decoder_layer(model), case, x, grad_outs)
+    return cases.one_layer_block_step(
+        geo, case, provider, args.base, args.adapters, args.tokens or geo.tokens, device
+    )
 
 
 def compiled(step: Step, mode: str, smoke: bool) -> Step:

@@ -44,11 +44,9 @@ def main() -> None:
     args = parser.parse_args()
 
     geo, device = cases.LLAMA_8B, torch.device("cuda")
-    model = cases.build_llama(geo, layers=1, vocab=256, base=args.base, device=device)
-    model = cases.adapt(model, args.provider, args.adapters, geo.rank, geo.alpha)
-    layer = cases.decoder_layer(model)
-    x, grad_outs = cases.block_inputs(geo, args.block, 1, args.tokens, device)
-    step = cases.block_step(layer, args.block, x, grad_outs)
+    step = cases.one_layer_block_step(
+        geo, args.block, args.provider, args.base, args.adapters, args.tokens, device
+    )
 
     def run() -> None:
         step.reset()

@@ -28,10 +28,9 @@ def main() -> None:
     args = parser.parse_args()
     geo, device = cases.LLAMA_8B, torch.device("cuda")
     for provider in ("fastlora", "floor"):
-        model = cases.build_llama(geo, layers=1, vocab=256, base="bf16", device=device)
-        model = cases.adapt(model, provider, args.adapters, geo.rank, geo.alpha)
-        x, grad_outs = cases.block_inputs(geo, args.block, 1, args.tokens, device)
-        step = cases.block_step(cases.decoder_layer(model), args.block, x, grad_outs)
+        step = cases.one_layer_block_step(
+            geo, args.block, provider, "bf16", args.adapters, args.tokens, device
+        )
 
         def run(step=step) -> None:
             step.reset()
@@ -54,7 +53,7 @@ def main() -> None:
             kernels = sum(event.self_device_time_total for event in prof.key_averages()) / steps / 1e3
             print(f"{provider:8} {steps:3d} steps after 1 s idle: wall {wall:.3f} ms/step; "
                   f"next {steps} profiled: kernels {kernels:.3f} ms/step", flush=True)  # fmt: skip
-        del model, step, x, grad_outs
+        del step
         torch.cuda.empty_cache()
 
 
