@@ -184,8 +184,9 @@ def test_mlp_adds_gate_and_up_lora_terms_inside_the_activation_kernel(layout_id)
     assert "fastlora.gated_act_forward" not in forward_ops and "fastlora.lora_expand_add" not in forward_ops
 
 
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_weight_grads_get_token_major_left_operands(case, monkeypatch):
+def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch):
     # lora_weight_grad's launcher copies a left operand ([tokens, r] fp32: xa or dY @ B) that is not
     # token-major (stride(0) == 1) before its kernel reads it; the copy is inside the op, where the
     # budgets above cannot see it. A group's dY_i @ B_i side by side used to come out row-major.
@@ -200,6 +201,6 @@ def test_weight_grads_get_token_major_left_operands(case, monkeypatch):
     weight_grad = shared_input.lora_weight_grad
     monkeypatch.setattr(shared_input, "lora_weight_grad", spy)
     run, shapes, _, backward_budget, _ = CASES[case]
-    _counted_step(run, LAYOUTS["bf16"], shapes)
+    _counted_step(run, LAYOUTS[layout_id], shapes)
     assert len(lefts) == backward_budget[WGRAD], lefts
     assert all(stride[0] == 1 for _, stride in lefts), lefts
