@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpus",
         type=_cpu_list,
         help="pin the run to these CPU cores, e.g. 3 or 2,3 (default: all). On the H200 machine's 16 vCPUs "
-        "one core cut the fused q/k/v step's host time at 2048 tokens from 2.2-2.8 to 1.3-2.0 ms "
-        "(docs/benchmarks.md, 'Host time and CPU pinning')",
+        "one core cut the fused q/k/v step's host time at 2048 tokens from 2.17-2.30 to 1.34-1.89 ms "
+        "(fastest rounds; docs/benchmarks.md, 'CPU pinning')",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     parser.add_argument("--redraw", type=Path, help="only draw the plots of this results.json into --out")
