@@ -125,7 +125,7 @@ def markdown_report(rows: list[Row], meta: dict[str, Any]) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in env["versions"].items() if version)
     gpu = env.get("gpu", {}).get("name", env["device"])
     settings = meta.get("settings", {})
-    shown = ("repeats", "rounds", "autograd_threads", "cpus")
+    shown = ("repeats", "rounds", "autograd_threads", "cpus", "lora_addmm")
     run = ", ".join(f"{name} {settings[name]}" for name in shown if name in settings)
     out = [f"Machine: {gpu}; {versions}; git {env.get('git')}; {env['time_utc']}.", f"Run: {run}.", ""]
     out += _blocks_table(rows) + _e2e_table(rows) + _sweep_table(rows, "sweep-tokens", "tokens")

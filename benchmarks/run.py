@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+
 from .cases import LLAMA_8B, SMOKE
 from .harness import Row, environment, write_results
 from .report import add_ratios, check_targets, format_table, format_targets, markdown_report
@@ -54,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pin the run to these CPU cores, e.g. 3 or 2,3 (default: all). On the H200 machine's 16 vCPUs "
         "one core cut the fused q/k/v step's host time at 2048 tokens from 2.17-2.30 to 1.34-1.89 ms "
         "(fastest rounds; docs/benchmarks.md, 'CPU pinning')",
+    )
+    parser.add_argument(
+        "--lora-addmm",
+        default="never",
+        choices=("never", "auto", "always"),
+        help="LoraAddmmSettings.mode for fastlora's dX: never (the library's default: cuBLAS + "
+        "lora_expand_add_), auto (lora_addmm on Hopper from 2048 rows), always",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     parser.add_argument("--redraw", type=Path, help="only draw the plots of this results.json into --out")
@@ -148,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     # Thread-local, so it holds for every backward this (main) thread starts, every provider alike.
     # docs/benchmarks.md ("Where the host time goes") says why it matters for fused Functions.
     torch.autograd.set_multithreading_enabled(args.autograd_threads == "worker")
+    LoraAddmmSettings.mode = args.lora_addmm
     suites = [name.strip() for name in args.cases.split(",") if name.strip()]
     unknown = set(suites) - set(SUITES)
     if unknown:
@@ -159,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "smoke": args.smoke, "cases": suites, "geometry": settings.geo.__dict__,
             "autograd_threads": args.autograd_threads,
             "cpus": sorted(args.cpus) if args.cpus else "all",
+            "lora_addmm": args.lora_addmm,
             **{k: v for k, v in settings.__dict__.items() if k not in ("geo", "device")},
         },
     }  # fmt: skip

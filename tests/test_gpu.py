@@ -64,6 +64,39 @@ def test_projection_at_8b_sizes(layout: Layout, projection: str):
         assert fast_error <= 2 * peft_error + ERROR_FLOOR, f"{key}: {fast_error:.2e} vs PEFT {peft_error:.2e}"
 
 
+LORA_ADDMM_LAYOUTS = [layout for layout in GPU_LAYOUTS if layout.x_dtype != torch.float32]
+
+
+@pytest.mark.parametrize("projection", ["o", "down"])
+@pytest.mark.parametrize("layout", LORA_ADDMM_LAYOUTS, ids=[layout.id for layout in LORA_ADDMM_LAYOUTS])
+def test_projection_dx_through_lora_addmm_at_8b_sizes(layout: Layout, projection: str, monkeypatch):
+    """The same float64 bound with dX made by `lora_addmm` (forced: it is off by default)."""
+    from fastlora_peft.functions import shared_input
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm
+
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    calls = []
+    monkeypatch.setattr(shared_input, "lora_addmm", lambda *args: calls.append(args) or lora_addmm(*args))
+    test_projection_at_8b_sizes(layout, projection)
+    assert len(calls) == 1
+
+
+def test_lora_addmm_auto_choice_on_this_gpu(monkeypatch):
+    """In "auto", lora_addmm takes dX from `min_tokens` rows on a Hopper GPU, and nowhere else."""
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm_pays_off
+
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "auto")
+
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    rows = LoraAddmmSettings.min_tokens
+    grad, weight = (
+        torch.zeros(rows, 64, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(64, 32, device="cuda"),
+    )
+    assert lora_addmm_pays_off(grad, weight.bfloat16(), torch.bfloat16) == hopper
+    assert not lora_addmm_pays_off(grad[: rows - 1], weight.bfloat16(), torch.bfloat16)
+
+
 def llama_8b_layer(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 

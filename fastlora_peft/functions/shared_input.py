@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
+from ..kernels.lora_addmm import lora_addmm, lora_addmm_pays_off
 from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink, lora_weight_grad
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
@@ -159,17 +160,25 @@ def shared_input_grad_x(
     with_lora_term: bool = True,
 ) -> torch.Tensor:
     """dX of every projection accumulated in one buffer: sum_i g_i W_i, plus the LoRA terms (unless
-    they read another tensor, a dropped-out x: then `lora_input_grad` gives their share)."""
+    they read another tensor, a dropped-out x: then `lora_input_grad` gives their share).
+
+    The first GEMM carries all the LoRA terms (`lora_addmm`) where `lora_addmm_pays_off` says so;
+    otherwise cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds the terms.
+    """
     grad_x_base = None
+    term_added = not with_lora_term
     for base, grad in zip(bases, grads_2d):
         weight = materialize_weight(base, plan.compute_dtype)
         grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
-        if grad_x_base is None:
-            grad_x_base = grad_compute @ weight
-        else:
+        if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
+        elif not term_added and lora_addmm_pays_off(grad_compute, weight, x_dtype):
+            grad_x_base = lora_addmm(grad_compute, weight, grad_xa, stacked_lora_a_t(loras), lora_scale)
+            term_added = True
+        else:
+            grad_x_base = grad_compute @ weight
         del weight, grad_compute  # as in the forward: one materialized weight at a time
-    if not with_lora_term:
+    if term_added:
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
     return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a_t(loras), lora_scale, x_dtype)
 

@@ -1,0 +1,238 @@
+"""A GEMM that starts its accumulator with the LoRA term: ``a @ b + scale * left @ right.T``, one rounding.
+
+``lora_addmm(a, b, left, right, scale)`` can replace ``torch.mm`` followed by ``lora_expand_add_``
+for a fused Function's dX, which saves the expand-add's extra read and write of the `[M, N]` output.
+It is off by default (`LoraAddmmSettings.mode = "never"`): on the H200 it beat that pair alone but
+not inside the blocks. Timed alone (`python -m benchmarks.gemm_lora_probe`, rank 16, bf16, do_bench
+medians in us, `docs/benchmarks/session8/gemm_lora_probe_prologue.log` and `_2048.log`):
+
+| shape (8192 tokens; 2048 in brackets) | cuBLAS | cuBLAS + expand-add | this kernel |
+|---|---|---|---|
+| q/o dX, [8192, 4096] @ [4096, 4096] | 355.9 (96.4) | 425.2 (106.0) | 376.1 (96.3) |
+| gate/up dX, [8192, 14336] @ [14336, 4096] | 1176.7 (318.0) | 1401.4 (339.9) | 1253.5 (303.6) |
+| down dX, [8192, 4096] @ [4096, 14336] | 1209.6 (349.2) | 1543.0 (361.5) | 1362.4 (337.1) |
+| q/o forward, x @ W.T | 345.1 (90.2) | 390.6 (101.7) | 425.4 (108.5) |
+
+Inside the blocks (`profile_block`, CUDA time per step, 8192 tokens, `session8/profile_*.log`) the
+pair it replaces cost as much as it: o_proj 392 us (cuBLAS 344 + expand-add 48) against 390; the
+q/k/v group 408 against 404; the MLP with fp32 adapters 2843 against 2854 and with bf16 adapters
+2742 against 2743. Block and training-step times did not separate from run-to-run noise
+(`session8/blocks_e2e_results_*.md`). In a step the GPU runs at its power-capped clock, and the
+expand-add read an output cuBLAS had just written.
+
+The term is computed before the K loop and starts the fp32 accumulator. Added after the loop (the
+usual epilogue) it cost more than the separate expand-add (431 against 425 us at q/o dX): each tile's
+end waited on the loads of its `left`/`right` tiles, which before the loop overlap the loop's own
+prefetches. `LORA_AT` keeps all three placements so the probe can time them with this very kernel.
+
+A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
+outside the Triton interpreter, as for every op here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlora_peft.kernels import lora_addmm_reference as reference
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from fastlora_peft.kernels._launch import CachedKernel, cdiv
+from fastlora_peft.kernels.lora_terms import _expand_dot_precision, expand_term
+
+# Where the kernel adds the LoRA term (a constexpr; a jit function reads only tl.constexpr globals).
+NO_TERM, EPILOGUE, PROLOGUE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+LORA_AT = {"none": 0, "epilogue": 1, "prologue": 2}
+
+
+class LoraAddmmSettings:
+    """When the fused Functions' dX takes `lora_addmm` (read at every backward).
+
+    mode: "never" (the default: cuBLAS + `lora_expand_add_` everywhere, as fast inside the blocks, see
+    the module docstring), "auto" (on a Hopper GPU, 16-bit operands of one dtype, at least
+    `min_tokens` rows: where the probe timed it faster alone), or "always" (wherever the dtypes allow
+    it: the tests run it under the interpreter).
+    """
+
+    mode = "never"
+    min_tokens = 2048
+
+
+def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether `a @ b` plus a LoRA term into `out_dtype` should run as one `lora_addmm` call."""
+    mode = LoraAddmmSettings.mode
+    if mode == "never" or a.dtype != b.dtype or a.dtype != out_dtype:
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16):  # fp32 GEMMs stay cuBLAS's (no tf32 here)
+        return False
+    if mode == "always":
+        return True
+    return (
+        a.is_cuda
+        and a.shape[0] >= LoraAddmmSettings.min_tokens
+        and torch.cuda.get_device_capability(a.device)[0] == 9
+    )
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). H200: 128 x 256 x 64, 8 warps, 4 stages was the fastest
+# of 8 common Hopper configs at 8192 tokens for q/o and gate/up dX (the probe's log above; 128 x 256 x
+# 32 won down dX by under 1%); at 2048 tokens 3 stages won by 0-3%. The interpreter runs small tiles.
+GPU_CONFIG = (128, 256, 64, 8, 4)
+INTERPRETER_CONFIG = (32, 32, 32, 4, 1)
+# Ranks per tile of the term, looped over the rank. Its tiles get shared-memory buffers of their own
+# beside the K loop's stages: a 64-wide tile (a q/k/v group's rank 48) asked for 416 KB of the H200's
+# 227 (OutOfResources). `tests/test_lora_addmm.py` compiles the GPU kernel for sm_90 to check the fit.
+RANK_TILE = 16
+
+
+@CachedKernel
+@triton.jit
+def _lora_addmm_kernel(
+    A_ptr, B_ptr, Left_ptr, Right_ptr, Out_ptr,
+    M, N, K, R, scale,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_lm, stride_lr, stride_rn, stride_rr,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, LORA_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Out[M, N] = A[M, K] @ B[K, N] + scale * Left[M, R] @ Right[N, R]^T, summed in fp32, rounded once."""
+    # Programs walk GROUP_M row blocks per column block, so neighbours share B tiles in L2.
+    pid = tl.program_id(0)
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    # Edge rows and columns load a valid (wrapped) row or column and are masked only at the store:
+    # no masks in the K loop unless K itself is ragged.
+    a_ptrs = A_ptr + (rows % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B_ptr + offs_k[:, None] * stride_bk + (offs_n % N).to(tl.int64)[None, :] * stride_bn
+    if LORA_AT == PROLOGUE:
+        acc = scale * expand_term(
+            Left_ptr, Right_ptr, rows, mask_m, offs_n, mask_n, R,
+            stride_lm, stride_lr, stride_rn, stride_rr,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            mask_k = offs_k + k0 < K
+            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
+        if FP32_DOT:  # the interpreter computes 16-bit dots wrongly; 16-bit products are exact in fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if LORA_AT == EPILOGUE:
+        acc += scale * expand_term(
+            Left_ptr, Right_ptr, rows, mask_m, offs_n, mask_n, R,
+            stride_lm, stride_lr, stride_rn, stride_rr,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    out_ptrs = Out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(Out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _lora_addmm_triton(
+    *,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scale: float,
+    config: tuple[int, int, int, int, int] | None = None,
+    lora_at: str = "prologue",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    M, K = a.shape
+    N = b.shape[1]
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
+    if out.numel() == 0:
+        return out
+    # As in lora_expand_add: the rank dim of `right` contiguous (lora_a.T is copied, [N, R] is small).
+    right = right if right.stride(1) == 1 else right.contiguous()
+    block_m, block_n, block_k, warps, stages = config or (GPU_CONFIG if a.is_cuda else INTERPRETER_CONFIG)
+    grid = (cdiv(M, block_m) * cdiv(N, block_n),)
+    _lora_addmm_kernel[grid](
+        a, b, left, right, out,
+        M, N, K, left.shape[1], float(scale),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), left.stride(0), left.stride(1),
+        right.stride(0), right.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE,
+        GROUP_M=8, EVEN_K=K % block_k == 0, LORA_AT=LORA_AT[lora_at],
+        DOT_PRECISION=_expand_dot_precision(right.dtype, a.dtype), FP32_DOT=not a.is_cuda,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_lora_addmm(a: torch.Tensor, b: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    op = "lora_addmm"
+    for name, tensor, layout in (("a", a, "[M, K]"), ("b", b, "[K, N]"), ("left", left, "[M, R]")):
+        if tensor.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D {layout}, got shape {list(tensor.shape)}")
+    if right.dim() != 2:
+        raise ValueError(f"{op}: right must be 2-D [N, R], got shape {list(right.shape)}")
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"{op}: a and b must share one 16-bit dtype, got {a.dtype} and {b.dtype}")
+    if left.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: left must be float32 (the output of lora_shrink), got {left.dtype}")
+    M, K = a.shape
+    N, R = b.shape[1], left.shape[1]
+    if b.shape[0] != K or left.shape[0] != M or tuple(right.shape) != (N, R):
+        raise ValueError(
+            f"{op}: shapes must be a [M, K], b [K, N], left [M, R], right [N, R], got "
+            f"{list(a.shape)}, {list(b.shape)}, {list(left.shape)}, {list(right.shape)}"
+        )
+    if not (a.device == b.device == left.device == right.device):
+        raise ValueError(f"{op}: all inputs must be on one device")
+
+
+def lora_addmm(
+    a: torch.Tensor, b: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``a @ b + scale * left @ right.T``: `fastlora::lora_addmm` (see `_lora_addmm_body`)."""
+    if skips_op_dispatch(a, b, left, right):
+        return _lora_addmm_body(a, b, left, right, scale)
+    return lora_addmm_op(a, b, left, right, scale)
+
+
+def _lora_addmm_body(
+    a: torch.Tensor, b: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``a @ b + scale * left @ right.T``, summed in fp32 and rounded once to a's dtype.
+
+    a: [M, K] and b: [K, N] of one 16-bit dtype, any strides (dX: a = grad_out, b = the weight
+    [out, in]); left: [M, R] float32 (`g @ B`), right: [N, R] any float dtype and strides (lora_a.T).
+    Returns [M, N] contiguous, a's dtype.
+    """
+    _check_lora_addmm(a, b, left, right)
+    if runs_triton(a):
+        return _lora_addmm_triton(a=a, b=b, left=left, right=right, scale=scale)
+    return reference.lora_addmm(a, b, left, right, scale).contiguous()
+
+
+lora_addmm_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_addmm", _lora_addmm_body, mutates_args=())
+
+
+@lora_addmm_op.register_fake
+def _(
+    a: torch.Tensor, b: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+) -> torch.Tensor:
+    _check_lora_addmm(a, b, left, right)
+    return a.new_empty((a.shape[0], b.shape[1]))
