@@ -76,7 +76,8 @@ def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). H200: 128 x 256 x 64, 8 warps, 4 stages was the fastest
 # of 8 common Hopper configs at 8192 tokens for q/o and gate/up dX (the probe's log above; 128 x 256 x
-# 32 won down dX by under 1%); at 2048 tokens 3 stages won by 0-3%. The interpreter runs small tiles.
+# 32 won down dX); at 2048 tokens the same tiles with 3 stages were the fastest at dX. The
+# interpreter runs small tiles.
 GPU_CONFIG = (128, 256, 64, 8, 4)
 INTERPRETER_CONFIG = (32, 32, 32, 4, 1)
 # Ranks per tile of the term, looped over the rank. Its tiles get shared-memory buffers of their own
