@@ -166,19 +166,19 @@ def shared_input_grad_x(
     otherwise cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds the terms.
     """
     grad_x_base = None
-    term_added = not with_lora_term
+    term_pending = with_lora_term  # until one GEMM (lora_addmm) or the expand-add below adds it
     for base, grad in zip(bases, grads_2d):
         weight = materialize_weight(base, plan.compute_dtype)
         grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
         if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
-        elif not term_added and lora_addmm_pays_off(grad_compute, weight, x_dtype):
+        elif term_pending and lora_addmm_pays_off(grad_compute, weight, x_dtype):
             grad_x_base = lora_addmm(grad_compute, weight, grad_xa, stacked_lora_a_t(loras), lora_scale)
-            term_added = True
+            term_pending = False
         else:
             grad_x_base = grad_compute @ weight
         del weight, grad_compute  # as in the forward: one materialized weight at a time
-    if term_added:
+    if not term_pending:
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
     return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a_t(loras), lora_scale, x_dtype)
 

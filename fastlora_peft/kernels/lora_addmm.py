@@ -42,7 +42,7 @@ from fastlora_peft.kernels.lora_terms import _expand_dot_precision, expand_term
 
 # Where the kernel adds the LoRA term (a constexpr; a jit function reads only tl.constexpr globals).
 NO_TERM, EPILOGUE, PROLOGUE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-LORA_AT = {"none": 0, "epilogue": 1, "prologue": 2}
+LORA_AT = {"none": NO_TERM.value, "epilogue": EPILOGUE.value, "prologue": PROLOGUE.value}
 
 
 class LoraAddmmSettings:
