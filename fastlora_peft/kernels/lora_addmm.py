@@ -16,14 +16,15 @@ medians in us, `docs/benchmarks/session8/gemm_lora_probe_prologue.log` and `_204
 Inside the blocks (`profile_block`, CUDA time per step, 8192 tokens, `session8/profile_*.log`) the
 pair it replaces cost as much as it: o_proj 392 us (cuBLAS 344 + expand-add 48) against 390; the
 q/k/v group 408 against 404; the MLP with fp32 adapters 2843 against 2854 and with bf16 adapters
-2742 against 2743. Block and training-step times did not separate from run-to-run noise
-(`session8/blocks_e2e_results_*.md`). In a step the GPU runs at its power-capped clock, and the
-expand-add read an output cuBLAS had just written.
+2684 against 2685 (the expand-adds' share: those the "never" run made beyond the "auto" run's
+forward ones). Block and training-step times did not separate from run-to-run noise
+(`session8/blocks_e2e_results_*.md`). Why the probe's gain vanished was not measured; the
+power-capped clock of a sustained step (seventh session) would explain part of it.
 
 The term is computed before the K loop and starts the fp32 accumulator. Added after the loop (the
-usual epilogue) it cost more than the separate expand-add (431 against 425 us at q/o dX): each tile's
-end waited on the loads of its `left`/`right` tiles, which before the loop overlap the loop's own
-prefetches. `LORA_AT` keeps all three placements so the probe can time them with this very kernel.
+usual epilogue) it cost more than the separate expand-add (431 against 425 us at q/o dX). Our
+reading, not profiled: after the loop each tile waits on its `left`/`right` loads, before it they
+overlap the loop's own prefetches. `LORA_AT` keeps all three placements so the probe can time them with this very kernel.
 
 A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
 outside the Triton interpreter, as for every op here.
