@@ -24,7 +24,8 @@ power-capped clock of a sustained step (seventh session) would explain part of i
 The term is computed before the K loop and starts the fp32 accumulator. Added after the loop (the
 usual epilogue) it cost more than the separate expand-add (431 against 425 us at q/o dX). Our
 reading, not profiled: after the loop each tile waits on its `left`/`right` loads, before it they
-overlap the loop's own prefetches. `LORA_AT` keeps all three placements so the probe can time them with this very kernel.
+overlap the loop's own prefetches. `LORA_AT` keeps all three placements so the probe can time them
+with this very kernel.
 
 A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
 outside the Triton interpreter, as for every op here.
