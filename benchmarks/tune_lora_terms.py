@@ -1,6 +1,7 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
-python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --gated | --gated-forward]
+python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit | --gated
+                                     | --gated-forward]
 
 Per shape: the default, then the fastest configs.
 
@@ -110,6 +111,29 @@ def tune_weight_grad(k: int, rank: int) -> None:
     _report(f"weight_grad K={k} R={rank}", default, results, x.numel() * 2)
 
 
+def tune_weight_grad_unsplit(k: int, rank: int, tokens: int = TOKENS) -> None:
+    """One program per column tile walking every token row (no split, so no separate sum launch),
+    against the default launch (split rows + a torch sum)."""
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    left = torch.randn(rank, tokens, device="cuda", dtype=torch.float32).T  # token-major, as the shrink gives
+    default = _bench(lambda: lt._lora_weight_grad_triton(left=left, x=x, scale=0.5))
+    results = []
+    for block_m, block_k, warps, stages in itertools.product((64, 128), (16, 32, 64), (4, 8), (3,)):
+
+        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
+            lt._lora_weight_grad_triton(
+                left=left, x=x, scale=0.5, split=1,
+                block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+        config = dict(m=block_m, k=block_k, w=warps, s=stages)
+        try:
+            results.append((_bench(launch), config))
+        except Exception as error:
+            print(f"  skip {config}: {type(error).__name__}")
+    _report(f"weight_grad unsplit M={tokens} K={k} R={rank}", default, results, x.numel() * 2)
+
+
 def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> None:
     """The MLP backward's fused activation-backward + dA_down kernel on one chunk of rows, against the
     three launches it replaces (recompute h, weight grad from h, activation backward)."""
@@ -216,6 +240,10 @@ def main() -> None:
         return
     if "--gated" in sys.argv:
         tune_gated_weight_grad()
+        return
+    if "--weight-grad-unsplit" in sys.argv:
+        for tokens, k, rank in itertools.product((8192, 2048), (4096, 14336), (16, 48)):
+            tune_weight_grad_unsplit(k, rank, tokens)
         return
     if "--weight-grad" in sys.argv:
         for k in (14336, 4096):

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from fastlora_peft.kernels import lora_terms
+from fastlora_peft.kernels import dots, lora_terms, split_sum
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import runs_triton
 
@@ -29,6 +29,10 @@ FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 # 2**-7 apart, and the interpreter truncates fp32 -> bf16 (3.4e-3 measured; GPUs round to nearest,
 # 1.6e-3); fp16 values are 2**-10 apart (2e-4 measured).
 TOLERANCE = {FP32: 1e-5, BF16: 1e-2, FP16: 1e-3}
+# A bf16 activation against an fp32 operand (dots.SPLIT_DOT): the fp32 operand is split exactly into
+# three bf16 parts, so the products are exact and only fp32 sums are left (~1e-7 on the interpreter
+# and the H200). Held tighter than TOLERANCE[FP32], so a split that drops a part (1e-5) fails.
+SPLIT_TOLERANCE = 1e-6
 
 # (id, activation dtype, adapter dtype): x/base/grad_out vs lora_a/lora_b.
 DTYPE_CASES = [
@@ -81,9 +85,9 @@ def assert_rel_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
 
 
-def _check_op(op: str, args: tuple, truth: torch.Tensor, out_dtype: torch.dtype) -> None:
+def _check_op(op: str, args: tuple, truth: torch.Tensor, out_dtype: torch.dtype, tol: float = 0.0) -> None:
     """The public op and the reference each against float64, and against each other."""
-    tol = TOLERANCE[out_dtype]
+    tol = tol or TOLERANCE[out_dtype]
     want = getattr(reference, op)(*args)
     got = getattr(lora_terms, op)(*args)
     # lora_shrink hands out token-major [M, R] (what lora_weight_grad reads without a copy); the
@@ -106,8 +110,9 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
     x = _make(M, K, x_dtype, layout)
     weight = _make(R, K, w_dtype, layout)
     truth = x.double() @ weight.double().T
-    _check_op("lora_shrink", (x, weight), truth, FP32)
-    _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32)
+    tol = SPLIT_TOLERANCE if (x_dtype, w_dtype) == (BF16, FP32) else TOLERANCE[FP32]
+    _check_op("lora_shrink", (x, weight), truth, FP32, tol)
+    _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32, tol)
 
 
 @pytest.mark.parametrize("base_dtype, right_dtype, shape, layout", _case_params())
@@ -133,13 +138,26 @@ def test_lora_expand_add_out_dtype(base_dtype, out_dtype):
     _check_op("lora_expand_add", (base, left, right, SCALE, out_dtype), truth, out_dtype)
 
 
-def test_expand_add_uses_plain_tf32_only_for_16bit_adapters_into_bf16():
-    # Plain tf32 rounds the fp32 bottleneck to 11 bits: below a bf16 output's rounding, not below an
-    # fp16 or fp32 one's, and never for fp32 adapters (the GPU tests check the accuracy it gives).
-    assert lora_terms._expand_dot_precision(BF16, BF16) == "tf32"
-    assert lora_terms._expand_dot_precision(FP16, BF16) == "tf32"
-    for right_dtype, out_dtype in [(FP32, BF16), (BF16, FP16), (FP16, FP16), (BF16, FP32), (FP32, FP32)]:
-        assert lora_terms._expand_dot_precision(right_dtype, out_dtype) == "tf32x3", (right_dtype, out_dtype)
+def test_dot_modes():
+    # A bf16 activation against an fp32 tile takes the exact split on a GPU and under the interpreter
+    # (which multiplies the parts in fp32); fp16 against fp32 (its low part would underflow) and fp32
+    # activations take 3xTF32; 16-bit pairs of one dtype go native on a GPU only.
+    cpu = {dtype: torch.ones(2, 2, dtype=dtype) for dtype in (FP32, BF16, FP16)}
+    assert dots.dot_mode(cpu[BF16], cpu[FP32]) == dots.SPLIT_DOT
+    for activation, other in [(FP16, FP32), (FP32, FP32), (FP32, BF16), (BF16, BF16), (FP16, FP16)]:
+        assert dots.dot_mode(cpu[activation], cpu[other]) == dots.FP32_DOT, (activation, other)
+    if DEVICE == "cuda":
+        for dtype in (BF16, FP16):
+            gpu = torch.ones(2, 2, dtype=dtype, device=DEVICE)
+            assert dots.dot_mode(gpu, gpu) == dots.NATIVE_DOT
+
+
+def test_expand_add_uses_plain_tf32_only_into_bf16():
+    # Plain tf32 rounds the fp32 bottleneck and the adapter to 11 bits: below a bf16 output's rounding,
+    # not below an fp16 or fp32 one's (the GPU tests check the accuracy it gives).
+    assert dots.expand_dot_precision(BF16) == "tf32"
+    for out_dtype in (FP16, FP32):
+        assert dots.expand_dot_precision(out_dtype) == "tf32x3", out_dtype
 
 
 def test_lora_expand_add_rounds_once():
@@ -159,11 +177,12 @@ def test_lora_weight_grad(x_dtype, _w_dtype, shape, layout):
     left = _make(M, R, FP32, layout)
     x = _make(M, K, x_dtype, layout)
     truth = -SCALE * (left.double().T @ x.double())
-    _check_op("lora_weight_grad", (left, x, -SCALE), truth, FP32)
+    tol = SPLIT_TOLERANCE if x_dtype == BF16 else TOLERANCE[FP32]  # left is fp32: split for bf16 x
+    _check_op("lora_weight_grad", (left, x, -SCALE), truth, FP32, tol)
     # K-major: the same values, laid out so that the transpose (lora_B's gradient) is dense.
     k_major = lora_terms.lora_weight_grad(left, x, -SCALE, k_major=True)
     assert k_major.shape == truth.shape and k_major.T.is_contiguous(), k_major.stride()
-    assert_rel_close(k_major, truth, TOLERANCE[FP32])
+    assert_rel_close(k_major, truth, tol)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,17 +200,18 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
     base = _make(M, N, x_dtype, "transposed")
     left = _make(M, R, FP32, "contig")
     tol = TOLERANCE[FP32]
+    split_tol = SPLIT_TOLERANCE if x_dtype == BF16 else tol  # shrink and weight grad read x
 
     for split in (1, 2, 3):  # K = 70 in 3 splits of 32 columns: the last one is partial
         got = lora_terms._lora_shrink_triton(
             x=x, weight=lora_a, split=split, block_m=16, block_k=16, block_r=16
         )
-        assert_rel_close(got, x.double() @ lora_a.double().T, tol)
+        assert_rel_close(got, x.double() @ lora_a.double().T, split_tol)
         # Every split's partial scaled, so the sum is scaled once (the q/k/v group's dY_i @ B_i).
         got = lora_terms._lora_shrink_triton(
             x=x, weight=lora_a, scale=SCALE, split=split, block_m=16, block_k=16, block_r=16
         )
-        assert_rel_close(got, SCALE * (x.double() @ lora_a.double().T), tol)
+        assert_rel_close(got, SCALE * (x.double() @ lora_a.double().T), split_tol)
 
     got = lora_terms._lora_expand_add_triton(
         base=base, left=left, right=lora_b, scale=SCALE, out_dtype=FP32, block_m=16, block_n=16, block_r=16
@@ -214,7 +234,40 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
             left=left, x=x, scale=SCALE, k_major=k_major, split=split, block_m=16, block_k=16, block_r=16
         )
         assert (got.T if k_major else got).is_contiguous(), (k_major, got.stride())
-        assert_rel_close(got, truth, tol)
+        assert_rel_close(got, truth, split_tol)
+
+
+@needs_triton
+def test_split_sums_leave_their_counters_at_zero():
+    # The last program of each tile sums the splits and resets the tile's counter. A counter left
+    # behind would make the next launch's tile wait for one arrival too many: its result never written.
+    x = _make(37, 70, BF16, "sliced")
+    weight = _make(21, 70, FP32, "contig")
+    left = _make(37, 21, FP32, "transposed")
+    for split in (3, 2, 3):  # one buffer across launches of different tile counts
+        blocks = dict(block_m=16, block_k=16, block_r=16)
+        got = lora_terms._lora_shrink_triton(x=x, weight=weight, split=split, **blocks)
+        assert_rel_close(got, x.double() @ weight.double().T, SPLIT_TOLERANCE)
+        got = lora_terms._lora_weight_grad_triton(
+            left=left, x=x, scale=SCALE, split=split, out_dtype=BF16, **blocks
+        )
+        assert got.dtype == BF16
+        assert_rel_close(got, SCALE * (left.double().T @ x.double()), TOLERANCE[BF16])
+    assert split_sum._COUNTERS, "the split launches used no counters"
+    for counters in split_sum._COUNTERS.values():
+        assert not counters.any(), counters.nonzero()
+
+
+@pytest.mark.parametrize("k_major", [False, True], ids=["r-major", "k-major"])
+def test_lora_weight_grad_rounds_once_to_out_dtype(k_major):
+    # The adapters' dtype written by the op itself (no cast by the caller), from the fp32 sum.
+    left = _make(37, 5, FP32, "contig")
+    x = _make(37, 19, BF16, "contig")
+    want = lora_terms.lora_weight_grad(left, x, SCALE, k_major=k_major)
+    got = lora_terms.lora_weight_grad(left, x, SCALE, k_major=k_major, out_dtype=BF16)
+    assert got.dtype == BF16 and got.stride() == want.stride(), (got.dtype, got.stride(), want.stride())
+    # Within one bf16 step of the fp32 sum (GPUs round to nearest, the interpreter truncates).
+    assert ((got.float() - want).abs() <= want.abs() * 2.0**-7).all()
 
 
 @needs_triton

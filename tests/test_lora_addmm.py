@@ -261,7 +261,7 @@ names = fn.arg_names
 unit_strides = {"stride_ak", "stride_bn", "stride_lm", "stride_rr", "stride_on"}  # dX's layouts
 block_m, block_n, block_k, warps, stages = m.GPU_CONFIG
 for dtype, right_dtype in (("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"), ("fp16", "fp32")):
-    precision = "tf32" if dtype == right_dtype == "bf16" else "tf32x3"
+    precision = "tf32" if dtype == "bf16" else "tf32x3"  # dots.expand_dot_precision
     constexprs = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=m.RANK_TILE, GROUP_M=8, EVEN_K=True,
         LORA_AT=m.LORA_AT["prologue"], DOT_PRECISION=precision, FP32_DOT=False,

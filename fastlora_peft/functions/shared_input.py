@@ -204,17 +204,19 @@ def shared_input_weight_grads(
 ) -> tuple[list[LoraWeights], list[FrozenBase]]:
     """dA_i (one pass over x for all of them), dB_i from the saved xa, and trainable biases' grads."""
     needs_a = any(need.lora_a for need in needs_loras)
-    grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale) if needs_a else None
     a_dtypes = {lora.lora_a.dtype for lora in loras}
-    if needs_a and len(a_dtypes) == 1:
-        grad_a_all = grad_a_all.to(*a_dtypes)  # one cast for the group; the slices below are views
+    # The kernel rounds to the adapters' dtype itself when the group has one (no separate cast); the
+    # slices below are then views, and a mixed group casts each slice.
+    a_dtype = next(iter(a_dtypes)) if len(a_dtypes) == 1 else None
+    grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale, out_dtype=a_dtype) if needs_a else None
     grad_loras = []
     for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
         grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
         grad_b = None
         if need.lora_b:
             # Made K-major, so its transpose (lora_B's layout) is dense and autograd keeps it as is.
-            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale, k_major=True).t().to(lora.lora_b.dtype)
+            b_dtype = lora.lora_b.dtype
+            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale, k_major=True, out_dtype=b_dtype).t()
         grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
     grad_bases = []
     for base, need, grad in zip(bases, needs_bases, grads_2d):

@@ -33,13 +33,15 @@ import triton.language as tl
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import CachedKernel, cdiv
+from .dots import activation_dot, dot_mode, dot_precision
 from .gated_act import (
     _activation_and_derivative,
     _check_inputs,
     _gated_act_backward_triton,
     _unit_column_stride,
 )
-from .lora_terms import _FP32_DOT_PRECISION, _num_sms, _rank_block
+from .lora_terms import _num_sms, _rank_block
+from .split_sum import split_counters, split_total
 
 _OP = "gated_act_backward_weight_grad_"
 
@@ -57,14 +59,15 @@ _MIN_ROWS_PER_SPLIT = 512
 
 @triton.jit
 def _rank_block_pass(
-    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr,
-    offs_i, mask_i, r0, R, m_start, m_end, scale,
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    offs_i, mask_i, r0, R, m_start, m_end, scale, split, n_splits, n_cols,
     stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
     ACTIVATION: tl.constexpr, STORE_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Out[r0 : r0 + BLOCK_R, offs_i] = scale * Left[rows, r0 : ...]^T @ h[rows, offs_i] over rows
-    [m_start, m_end); with STORE_GRADS, also gate, up <- grad_gate, grad_up on those rows and columns."""
+    """Out[r0 : r0 + BLOCK_R, offs_i] = scale * Left[rows, r0 : ...]^T @ h[rows, offs_i] over the rows
+    [m_start, m_end) of this split, the splits summed through `split_total`; with STORE_GRADS, also
+    gate, up <- grad_gate, grad_up on those rows and columns."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_m = tl.arange(0, BLOCK_M)
@@ -89,51 +92,59 @@ def _rank_block_pass(
             tl.store(gate_ptrs, (grad_h * up * dact).to(Gate_ptr.dtype.element_ty), mask=mask)
             tl.store(up_ptrs, (grad_h * act).to(Up_ptr.dtype.element_ty), mask=mask)
         # h as the forward stored it: rounded once to gate's dtype (a no-op for fp32).
-        h_t = (act * up).to(Gate_ptr.dtype.element_ty).to(tl.float32)
+        h_t = (act * up).to(Gate_ptr.dtype.element_ty)
         left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(h_t, left, acc, input_precision=DOT_PRECISION)
-    out_ptrs = Out_ptr + offs_i[:, None] * stride_oi + offs_r[None, :] * stride_or
-    tl.store(out_ptrs, scale * acc, mask=mask_i[:, None] & mask_r[None, :])
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        acc = activation_dot(h_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
+    offsets = offs_i[:, None] * stride_oi + offs_r[None, :] * stride_or
+    mask = mask_i[:, None] & mask_r[None, :]
+    if SPLIT:
+        rank_blocks = (R + BLOCK_R - 1) // BLOCK_R
+        counter_ptr = Counter_ptr + tl.program_id(0) * rank_blocks + r0 // BLOCK_R
+        slab = R * n_cols
+        is_last, total = split_total(acc, Partial_ptr, offsets, mask, split, n_splits, slab, counter_ptr)
+        if is_last:
+            tl.store(Out_ptr + offsets, scale * total, mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, scale * acc, mask=mask)
 
 
 @CachedKernel
 @triton.jit
 def _gated_act_backward_weight_grad_kernel(
-    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr,
-    M, n_cols, R, scale, rows_per_split,
-    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_os, stride_or, stride_oi,
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    M, n_cols, R, scale, rows_per_split, n_splits,
+    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """gate, up <- grad_gate, grad_up and Out[s, R, I] = scale * Left[M_s, R]^T @ h[M_s, I] over split
-    s's rows M_s = [s * rows_per_split, ...). One program per (BLOCK_I columns, split); the caller sums
-    the splits."""
+    """gate, up <- grad_gate, grad_up and Out[R, I] = scale * Left[M, R]^T @ h[M, I] (fp32). One program
+    per (BLOCK_I columns, split), split s over rows [s * rows_per_split, ...); with SPLIT the splits
+    meet in `split_total` (fp32 partials laid out like Out, split stride R * I, a counter per tile)."""
     pid_i = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < n_cols
     m_start = pid_s * rows_per_split
     m_end = tl.minimum(m_start + rows_per_split, M)
-    out_ptr = Out_ptr + pid_s * stride_os
     # Ranks above BLOCK_R take one pass over the program's rows per rank block, and only the last pass
     # writes the gradients: a third grid axis of rank blocks (as lora_terms has) would let one program
     # overwrite gate/up that another has yet to read. Up to rank 64, the only pass is the last.
     last_r0 = (R - 1) // BLOCK_R * BLOCK_R
     for r0 in range(0, last_r0, BLOCK_R):
         _rank_block_pass(
-            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr,
-            offs_i, mask_i, r0, R, m_start, m_end, scale,
+            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+            offs_i, mask_i, r0, R, m_start, m_end, scale, pid_s, n_splits, n_cols,
             stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
             ACTIVATION=ACTIVATION, STORE_GRADS=False, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
-            DOT_PRECISION=DOT_PRECISION,
+            DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE, SPLIT=SPLIT,
         )  # fmt: skip
     _rank_block_pass(
-        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, out_ptr,
-        offs_i, mask_i, last_r0, R, m_start, m_end, scale,
+        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+        offs_i, mask_i, last_r0, R, m_start, m_end, scale, pid_s, n_splits, n_cols,
         stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
         ACTIVATION=ACTIVATION, STORE_GRADS=True, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
-        DOT_PRECISION=DOT_PRECISION,
+        DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE, SPLIT=SPLIT,
     )  # fmt: skip
 
 
@@ -180,20 +191,21 @@ def _gated_act_backward_weight_grad_triton(
         split = min(cdiv(split_per_sm * _num_sms(gate.device), col_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
-    # Deterministic: each split writes its own [R, I] slab, summed below in a fixed order (no atomics).
-    partial = torch.empty((split * R, n_cols), dtype=torch.float32, device=gate.device)
+    # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
+    out = torch.empty((R, n_cols), dtype=torch.float32, device=gate.device)
+    partial = torch.empty((split, R * n_cols), dtype=torch.float32, device=gate.device) if split > 1 else out
+    counters = split_counters(gate.device, col_tiles * cdiv(R, block_r)) if split > 1 else out
     grid = (col_tiles, split)
     _gated_act_backward_weight_grad_kernel[grid](
-        grad_h, gate, up, left, partial,
-        M, n_cols, R, float(scale), rows_per_split,
-        grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1),
-        R * n_cols, n_cols, 1,
+        grad_h, gate, up, left, out, partial, counters,
+        M, n_cols, R, float(scale), rows_per_split, split,
+        grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1), n_cols, 1,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
-        # left is fp32: plain tf32 would keep 10 of its mantissa bits (see lora_terms).
-        DOT_PRECISION=_FP32_DOT_PRECISION,
+        # left is fp32: the split dot for a bf16 h, else 3xTF32 (see dots).
+        DOT_PRECISION=dot_precision(left.dtype), DOT_MODE=dot_mode(gate, left), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return partial if split == 1 else partial.view(split, R, n_cols).sum(dim=0)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ import triton.language as tl
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import CachedKernel, cdiv
+from .dots import expand_dot_precision
 from .gated_act import _activation_and_derivative, _check_inputs
-from .lora_terms import _FP32_DOT_PRECISION, _expand_dot_precision, _rank_block, expand_term
+from .lora_terms import _rank_block, expand_term
 
 _OP = "gated_act_lora_forward_"
 
@@ -96,12 +97,6 @@ def _gated_act_lora_forward_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _dot_precision(gate: torch.Tensor, gate_right: torch.Tensor, up_right: torch.Tensor) -> str:
-    """lora_expand_add's rule for both terms: 3xTF32 if either needs it."""
-    precisions = {_expand_dot_precision(right.dtype, gate.dtype) for right in (gate_right, up_right)}
-    return _FP32_DOT_PRECISION if _FP32_DOT_PRECISION in precisions else "tf32"
-
-
 def _gated_act_lora_forward_triton(
     *,
     gate: torch.Tensor,
@@ -127,13 +122,14 @@ def _gated_act_lora_forward_triton(
     # halves of a gate_up lora_B already are.
     gate_right = gate_right if gate_right.stride(1) == 1 else gate_right.contiguous()
     up_right = up_right if up_right.stride(1) == 1 else up_right.contiguous()
-    precision = _dot_precision(gate, gate_right, up_right)
+    precision = expand_dot_precision(gate.dtype)
     gate_rank, up_rank = gate_left.shape[1], up_left.shape[1]
     block_rg = block_r or _rank_block(gate_rank, cap=64)
     block_ru = block_r or _rank_block(up_rank, cap=64)
     # H200, one 2048-row chunk of I = 14336 from the halves of a bf16 [M, 2I], rank 16
     # (`python -m benchmarks.tune_lora_terms --gated-forward`, 20 configs each): 64 x 64 tiles, 4 warps,
-    # took 94us with bf16 adapters (plain tf32, 1 stage) and 111us with fp32 (3xTF32, 2 stages),
+    # took 94us with bf16 adapters (plain tf32, 1 stage) and 111us with fp32 (3xTF32, 2 stages, before
+    # fp32 adapters into bf16 took plain tf32 too),
     # against 130 and 138us for the three launches it replaces; lora_expand_add's own tiles (32 x 256
     # and 64 x 128) took 111 and 124us here.
     num_stages = num_stages or (1 if precision == "tf32" else 2)

@@ -40,7 +40,8 @@ import triton.language as tl
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import CachedKernel, cdiv
-from fastlora_peft.kernels.lora_terms import _expand_dot_precision, expand_term
+from fastlora_peft.kernels.dots import expand_dot_precision
+from fastlora_peft.kernels.lora_terms import expand_term
 
 # Where the kernel adds the LoRA term (a constexpr; a jit function reads only tl.constexpr globals).
 NO_TERM, EPILOGUE, PROLOGUE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -178,7 +179,7 @@ def _lora_addmm_triton(
         right.stride(0), right.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE,
         GROUP_M=8, EVEN_K=K % block_k == 0, LORA_AT=LORA_AT[lora_at],
-        DOT_PRECISION=_expand_dot_precision(right.dtype, a.dtype), FP32_DOT=not a.is_cuda,
+        DOT_PRECISION=expand_dot_precision(a.dtype), FP32_DOT=not a.is_cuda,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

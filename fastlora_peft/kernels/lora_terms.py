@@ -20,6 +20,7 @@ Each op is a ``torch.library`` custom op with a fake implementation; it runs the
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -28,60 +29,20 @@ import triton.language as tl
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import CachedKernel, cdiv, next_power_of_2
+from fastlora_peft.kernels.dots import (
+    FP32_DOT,
+    NATIVE_DOT,
+    SPLIT_DOT,
+    activation_dot,
+    dot_mode,
+    dot_precision,
+    expand_dot_precision,
+)
+from fastlora_peft.kernels.split_sum import split_counters, split_total
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted for gradcheck only: it always runs the reference, in float64 (see _backend).
 _CHECKED_DTYPES = (*_SUPPORTED_DTYPES, torch.float64)
-
-# tl.dot precision when an operand is fp32. Plain "tf32" keeps 10 mantissa bits and gives ~5e-4
-# relative error, far too coarse for fp32 adapter gradients. "tf32x3" splits each fp32 operand into
-# two tf32 halves and stays on tensor cores: 2e-7 relative error against float64 on an H200 (K=4096).
-# "ieee" runs on CUDA cores, as accurate but far slower there: lora_weight_grad at rank 64 took 1353us
-# against 248us, lora_expand_add 237us against 105us (M=8192, K=N=4096).
-_FP32_DOT_PRECISION = "tf32x3"
-
-
-def _dot_precision(*dtypes: torch.dtype) -> str:
-    """tl.dot input precision for operands of these dtypes.
-
-    A 16-bit value (bf16: 8 significant bits, fp16: 11) converted to fp32 is exact in tf32 (11 bits),
-    so products of two 16-bit operands are exact under plain tf32 and only fp32 operands need more.
-    """
-    return "tf32" if torch.float32 not in dtypes else _FP32_DOT_PRECISION
-
-
-def _expand_dot_precision(right_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
-    """tl.dot precision of lora_expand_add, whose left operand is always fp32 (a shrink's output).
-
-    Into a bf16 output with a 16-bit right operand, plain tf32 is enough: it rounds left to 11
-    significant bits, 4x finer than the output's own rounding (8 bits), and PEFT's 16-bit path rounds
-    that bottleneck to the adapter's dtype. Any fp32 adapter or fp32/fp16 output keeps 3xTF32.
-    """
-    if out_dtype == torch.bfloat16 and right_dtype in (torch.bfloat16, torch.float16):
-        return "tf32"
-    return _FP32_DOT_PRECISION
-
-
-# How a kernel feeds tl.dot (a constexpr of the kernels that multiply an activation):
-# * _FP32_DOT: operands converted to fp32 in registers, DOT_PRECISION as above. The only mode the
-#   Triton interpreter runs (it computes bf16 as raw integer bits), and the mode whenever an operand
-#   is fp32: fp32 adapters need 3xTF32. Two cheaper splits missed fp32 accuracy on the H200 and were
-#   not kept: the fp32 tile as three bf16 parts for native dots (twice as fast; dA 4.8e-6 relative
-#   error against PEFT's 5.1e-7 at o_proj size: bf16 tensor cores truncate as they accumulate), and
-#   as two tf32 halves for two tf32 dots on the exact-in-tf32 16-bit activation (shrink 6.5e-6 against
-#   tf32x3's 1.8e-7, and no faster at K=4096: 50 against 45us; `tests/test_gpu.py` failed).
-# * _NATIVE_DOT: both operands 16-bit of one dtype on a GPU, fed as loaded: no conversion, the
-#   16-bit tensor-core rate; the products are exact in the fp32 accumulator either way.
-_FP32_DOT, _NATIVE_DOT = 0, 1
-
-
-def _dot_mode(activation: torch.Tensor, other: torch.Tensor) -> int:
-    """How a kernel multiplies the large `activation` tile by the small `other` tile."""
-    if not activation.is_cuda:
-        return _FP32_DOT
-    if activation.dtype == other.dtype and activation.dtype in (torch.bfloat16, torch.float16):
-        return _NATIVE_DOT
-    return _FP32_DOT
 
 
 def _rank_block(rank: int, cap: int) -> int:
@@ -105,16 +66,17 @@ def _num_sms(device: torch.device) -> int:
 @CachedKernel
 @triton.jit
 def _lora_shrink_kernel(
-    X_ptr, W_ptr, Out_ptr,
-    M, K, R, k_per_split, scale,
-    stride_xm, stride_xk, stride_wr, stride_wk, stride_os, stride_om, stride_or,
+    X_ptr, W_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    M, K, R, k_per_split, n_splits, scale,
+    stride_xm, stride_xk, stride_wr, stride_wk, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_MODE: tl.constexpr,
+    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Out[s, M, R] = scale * X[M, K_s] @ W[R, K_s]^T over split s's columns K_s = [s * k_per_split, ...).
+    """Out[M, R] = scale * X[M, K] @ W[R, K]^T in fp32.
 
-    One program per (BLOCK_M rows, BLOCK_R ranks, split), looping over its K range; with one split
-    Out is the result itself, else the caller sums the splits.
+    One program per (BLOCK_M rows, BLOCK_R ranks, split), looping over its split's columns [s *
+    k_per_split, ...). With SPLIT (n_splits > 1), the splits meet in `split_total` through fp32
+    partials laid out like Out ([n_splits, ...], split stride M * R) and one counter per tile.
     """
     pid_m = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -133,16 +95,18 @@ def _lora_shrink_kernel(
         mask_k = offs_k + k0 < k_end
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        if DOT_MODE == 1:  # _NATIVE_DOT
-            acc = tl.dot(x, w, acc)
-        else:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        acc = activation_dot(x, w, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    out_ptrs = (
-        Out_ptr + pid_s * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
-    )
-    tl.store(out_ptrs, scale * acc, mask=mask_m[:, None] & mask_r[None, :])
+    offsets = offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
+    mask = mask_m[:, None] & mask_r[None, :]
+    if SPLIT:
+        counter_ptr = Counter_ptr + pid_m * tl.num_programs(1) + pid_r
+        is_last, total = split_total(acc, Partial_ptr, offsets, mask, pid_s, n_splits, M * R, counter_ptr)
+        if is_last:
+            tl.store(Out_ptr + offsets, scale * total, mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, scale * acc, mask=mask)
 
 
 @triton.jit
@@ -205,14 +169,17 @@ def _lora_expand_add_kernel(
 @CachedKernel
 @triton.jit
 def _lora_weight_grad_kernel(
-    Left_ptr, X_ptr, Out_ptr,
-    M, R, K, scale, rows_per_split,
-    stride_lm, stride_lr, stride_xm, stride_xk, stride_os, stride_or, stride_ok,
+    Left_ptr, X_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    M, R, K, scale, rows_per_split, n_splits,
+    stride_lm, stride_lr, stride_xm, stride_xk, stride_or, stride_ok,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Out[s, R, K] = scale * Left[M_s, R]^T @ X[M_s, K] over split s's rows M_s = [s * rows_per_split, ...).
+    """Out[R, K] = scale * Left[M, R]^T @ X[M, K], in Out's dtype and strides.
 
-    One program per (BLOCK_K columns, split, BLOCK_R ranks); the caller sums the splits.
+    One program per (BLOCK_K columns, split, BLOCK_R ranks); split s sums rows [s * rows_per_split,
+    ...). With SPLIT (n_splits > 1), the splits meet in `split_total` through fp32 partials laid out
+    like Out ([n_splits, ...], split stride R * K) and one counter per tile.
     """
     # Computed as its transpose, Out^T[K, R] = X^T @ Left, so the activation is tl.dot's first operand,
     # which may come from registers in any layout; a 32-bit second operand wants its reduction (token)
@@ -235,19 +202,35 @@ def _lora_weight_grad_kernel(
         rows = rows.to(tl.int64)
         # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
         x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
-        # Left is always fp32 (a shrink's output), so this dot is always the fp32 mode.
-        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+        # Left is always fp32 (a shrink's output): the split dot for a bf16 X, else the fp32 one.
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
         left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x_t, left, acc, input_precision=DOT_PRECISION)
-    out_ptrs = Out_ptr + pid_s * stride_os + offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
-    tl.store(out_ptrs, scale * acc, mask=mask_k[:, None] & mask_r[None, :])
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        acc = activation_dot(x_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
+    offsets = offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
+    mask = mask_k[:, None] & mask_r[None, :]
+    if SPLIT:
+        counter_ptr = Counter_ptr + pid_k * tl.num_programs(2) + pid_r
+        is_last, total = split_total(acc, Partial_ptr, offsets, mask, pid_s, n_splits, R * K, counter_ptr)
+        if is_last:
+            tl.store(Out_ptr + offsets, (scale * total).to(Out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, (scale * acc).to(Out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers. Keyword-only block sizes default to the GPU choice; tests pass small ones to cover
 # several tiles and loop trips on tiny shapes. Callers have checked shapes, dtypes and devices.
 # ---------------------------------------------------------------------------------------------------
+
+
+# (BLOCK_M, BLOCK_K) of lora_shrink by dot mode; 16-bit operands of one dtype take NATIVE_DOT's
+# (also under the interpreter, where they run FP32_DOT). H200, x [8192, 4096] bf16, rank 16.
+_SHRINK_TILES = {
+    NATIVE_DOT: (32, 128),  # 28us, against 45us for tf32 dots of 32 x 64 (K=14336: 70 against 115us)
+    FP32_DOT: (64, 64),  # fp32 weights under tf32x3: 51us, 1.3 TB/s
+    SPLIT_DOT: (64, 64),
+}
 
 
 def _lora_shrink_triton(
@@ -269,15 +252,13 @@ def _lora_shrink_triton(
     # tf32 dots of 32 x 64 x 3 stages (K=14336: 70 against 115us). fp32 weights (tf32x3) were fastest
     # with 64 x 64 (51us, 1.3 TB/s) and only with weight's K dim contiguous (162us for lora_b.T), so
     # such an adapter (R * K * 4 bytes, ~1 MB) is copied first.
-    mode = _dot_mode(x, weight)
+    mode = dot_mode(x, weight)
     if weight.dtype == torch.float32:
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
     block_r = block_r or _rank_block(R, cap=128)
-    if mode == _FP32_DOT and torch.float32 in (x.dtype, weight.dtype):
-        block_m, block_k = block_m or 64, block_k or 64
-    else:
-        block_m, block_k = block_m or 32, block_k or 128
+    default_m, default_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
+    block_m, block_k = block_m or default_m, block_k or default_k
     row_blocks = cdiv(M, block_m)
     if split is None:
         # Fewer row blocks than SMs (a few thousand tokens, a chunk of the MLP's down projection):
@@ -287,22 +268,23 @@ def _lora_shrink_triton(
         split = 1 if row_blocks >= sms else min(cdiv(2 * sms, row_blocks), cdiv(K, 4 * block_k))
     k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
     split = cdiv(K, k_per_split)  # no empty splits
-    # Deterministic: each split writes its own slab, summed below in a fixed order (no atomics). The
-    # slabs are [R, M]: the result is handed out token-major ([M, R] with strides (1, M)), the layout
-    # lora_weight_grad wants its left operand in, so xa and dY @ B reach it without a transposed copy.
-    # One allocation and no indexing op when there is one split (each aten call costs host time).
-    partial = torch.empty((split * R, M), dtype=torch.float32, device=x.device)
-    grid = (row_blocks, cdiv(R, block_r), split)
+    # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
+    # wants its left operand in, so xa and dY @ B reach it without a transposed copy. Deterministic:
+    # the splits' partials are summed in split order inside the kernel (split_sum).
+    out = torch.empty((R, M), dtype=torch.float32, device=x.device).T
+    r_tiles = cdiv(R, block_r)
+    partial = torch.empty((split, M * R), dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = split_counters(x.device, row_blocks * r_tiles) if split > 1 else out
+    grid = (row_blocks, r_tiles, split)
     _lora_shrink_kernel[grid](
-        x, weight, partial,
-        M, K, R, k_per_split, float(scale),
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        R * M, 1, M,
+        x, weight, out, partial, counters,
+        M, K, R, k_per_split, split, float(scale),
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-        DOT_PRECISION=_dot_precision(x.dtype, weight.dtype), DOT_MODE=mode,
+        DOT_PRECISION=dot_precision(x.dtype, weight.dtype), DOT_MODE=mode, SPLIT=split > 1,
         num_warps=8 if block_r > 64 else 4, num_stages=4,
     )  # fmt: skip
-    return (partial if split == 1 else partial.view(split, R, M).sum(dim=0)).T
+    return out
 
 
 def _lora_expand_add_triton(
@@ -329,18 +311,20 @@ def _lora_expand_add_triton(
     # took 214us instead of 104us on an H200 (M=8192, N=4096, rank 64), so copy that small adapter.
     right = right if right.stride(1) == 1 else right.contiguous()
     block_r = block_r or _rank_block(R, cap=64)
-    precision = _expand_dot_precision(right.dtype, out_dtype)
+    precision = expand_dot_precision(out_dtype)
     # H200, M=8192, in place (scratch sweep of 36 configs: 32/64/128 x 64/128/256 tiles, 4/8 warps,
     # 1/2 stages; `benchmarks.tune_lora_terms --expand-add` sweeps a superset), then the launcher's
     # defaults timed alone, against an in-place `mul_` (a pure read and write) at 36 and 114us:
-    # * plain tf32 (16-bit adapters into bf16): 32 x 256 tiles, 49us at N=4096 and 163us at N=14336
-    #   for rank 16, 66 and 211us for rank 64; before (3xTF32, 64 x 128, 3 stages) 62, 191, 157, 527us.
+    # * plain tf32 (into bf16; with 16-bit adapters here, fp32 ones since the ninth session took 41 and
+    #   128us at rank 16 with the tiles below, `benchmarks.dot_modes_probe`): 32 x 256 tiles, 49us at
+    #   N=4096 and 163us at N=14336 for rank 16, 66 and 211us for rank 64; before (3xTF32, 64 x 128,
+    #   3 stages) 62, 191, 157, 527us.
     #   Seventh session, same machine type, 6 candidates x ranks 8/16/64/128 x M 2048/8192 (bf16
     #   adapters, `docs/benchmarks/session7/tune_expand_add_ranks.log`): up to rank 16, 64 x 128 with 3 stages
     #   beat 32 x 256 with 2 (rank 16: 41.8 against 47.5us at N=4096, 129 against 155 at N=14336;
     #   M=2048 N=14336, an MLP chunk's dh: 37.5 against 43.4; rank 8 within 3%); at rank 64 it was
     #   2-6% slower, so wider rank tiles keep 32 x 256.
-    # * 3xTF32 (fp32 adapters, fp32/fp16 outputs): 64 x 128 at rank 16, 57 and 181us; 64 x 64 above,
+    # * 3xTF32 (fp32/fp16 outputs; fp32 adapters before): 64 x 128 at rank 16, 57 and 181us; 64 x 64 above,
     #   104 and 340us at rank 64 (32 x 256 took 3000us at rank 64 there: three dots of that tile spill).
     if precision == "tf32" and block_r <= 16:
         block_m, block_n, num_stages = block_m or 64, block_n or 128, num_stages or 3
@@ -374,6 +358,7 @@ def _lora_weight_grad_triton(
     x: torch.Tensor,
     scale: float,
     k_major: bool = False,
+    out_dtype: torch.dtype = torch.float32,
     split: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
@@ -383,9 +368,11 @@ def _lora_weight_grad_triton(
 ) -> torch.Tensor:
     M, R = left.shape
     K = x.shape[1]
+    # K-major ([K, R] in memory) when the caller wants the transpose contiguous (dB = result.T).
+    out = torch.empty((K, R) if k_major else (R, K), dtype=out_dtype, device=x.device)
+    out = out.T if k_major else out
     if M == 0 or R == 0 or K == 0:
-        zeros = torch.zeros((K, R) if k_major else (R, K), dtype=torch.float32, device=x.device)
-        return zeros.T if k_major else zeros
+        return out.zero_()
     # The kernel wants left's token dim contiguous (see there): 91 vs 116us at rank 64, 157 vs 227us at
     # rank 128 on an H200 (M=8192, K=4096), for a transposed copy of left (M * R * 4 bytes, 2 MB).
     left = left if left.stride(0) == 1 else left.T.contiguous().T
@@ -393,29 +380,27 @@ def _lora_weight_grad_triton(
     # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
     # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster.
     block_m = block_m or (128 if block_r >= 32 and K <= 8192 else 64)
-    tiles = cdiv(K, block_k) * cdiv(R, block_r)
+    k_tiles, r_tiles = cdiv(K, block_k), cdiv(R, block_r)
     if split is None:
-        # Split the token dimension only as far as needed to give every SM two programs.
-        split = min(cdiv(2 * _num_sms(x.device), tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+        # Split the token dimension only as far as needed to give every SM two programs. One program
+        # per column tile walking all rows instead was 1.1-1.6x slower at 8192 and 2048 tokens, except
+        # at K=14336, rank 16, 2048 tokens (29 against 30us; `tune_lora_terms --weight-grad-unsplit`).
+        split = min(cdiv(2 * _num_sms(x.device), k_tiles * r_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
-    # Deterministic: each split writes its own [R, K] slab, summed below in a fixed order (no atomics).
-    # K-major slabs ([K, R] in memory) when the caller wants the transpose contiguous (dB = result.T).
-    rows, cols = (K, R) if k_major else (R, K)
-    partial = torch.empty((split * rows, cols), dtype=torch.float32, device=x.device)
-    stride_or, stride_ok = (1, R) if k_major else (K, 1)
-    grid = (cdiv(K, block_k), split, cdiv(R, block_r))
+    # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
+    partial = torch.empty((split, R * K), dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = split_counters(x.device, k_tiles * r_tiles) if split > 1 else out
+    grid = (k_tiles, split, r_tiles)
     _lora_weight_grad_kernel[grid](
-        left, x, partial,
-        M, R, K, float(scale), rows_per_split,
-        left.stride(0), left.stride(1), x.stride(0), x.stride(1),
-        R * K, stride_or, stride_ok,
+        left, x, out, partial, counters,
+        M, R, K, float(scale), rows_per_split, split,
+        left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(left.dtype, x.dtype),
+        DOT_PRECISION=dot_precision(left.dtype, x.dtype), DOT_MODE=dot_mode(x, left), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    total = partial if split == 1 else partial.view(split, rows, cols).sum(dim=0)
-    return total.T if k_major else total
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -586,27 +571,38 @@ def _(
 
 
 def lora_weight_grad(
-    left: torch.Tensor, x: torch.Tensor, scale: float, k_major: bool = False
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``scale * left.T @ x``: `fastlora::lora_weight_grad` (see `_lora_weight_grad_body`)."""
     if skips_op_dispatch(left, x):
-        return _lora_weight_grad_body(left, x, scale, k_major)
-    return lora_weight_grad_op(left, x, scale, k_major)
+        return _lora_weight_grad_body(left, x, scale, k_major, out_dtype)
+    return lora_weight_grad_op(left, x, scale, k_major, out_dtype)
 
 
 def _lora_weight_grad_body(
-    left: torch.Tensor, x: torch.Tensor, scale: float, k_major: bool = False
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically).
+    """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically), rounded once to
+    `out_dtype` (None: left's dtype, float32; an adapter's dtype saves the caller a cast).
 
-    left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K] float32, contiguous,
-    or with k_major its transpose contiguous (strides (1, R)): dB = result.T then is a dense [K, R]
-    tensor that autograd takes over as lora_B's gradient instead of copying it. Zeros when M == 0.
+    left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K], contiguous, or with
+    k_major its transpose contiguous (strides (1, R)): dB = result.T then is a dense [K, R] tensor that
+    autograd takes over as lora_B's gradient instead of copying it. Zeros when M == 0.
     """
     _check_weight_grad(left, x)
     if runs_triton(x):
-        return _lora_weight_grad_triton(left=left, x=x, scale=scale, k_major=k_major)
+        out_dtype = out_dtype or torch.float32
+        return _lora_weight_grad_triton(left=left, x=x, scale=scale, k_major=k_major, out_dtype=out_dtype)
     result = reference.lora_weight_grad(left, x, scale)
+    result = result if out_dtype is None else result.to(out_dtype)
     return result.T.contiguous().T if k_major else result.contiguous()
 
 
@@ -616,9 +612,15 @@ lora_weight_grad_op = torch.library.custom_op(
 
 
 @lora_weight_grad_op.register_fake
-def _(left: torch.Tensor, x: torch.Tensor, scale: float, k_major: bool = False) -> torch.Tensor:
+def _(
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     _check_weight_grad(left, x)
-    rank, features = left.shape[1], x.shape[1]
+    rank, features, dtype = left.shape[1], x.shape[1], out_dtype or left.dtype
     if k_major:
-        return x.new_empty((features, rank), dtype=torch.float32).T
-    return x.new_empty((rank, features), dtype=torch.float32)
+        return x.new_empty((features, rank), dtype=dtype).T
+    return x.new_empty((rank, features), dtype=dtype)

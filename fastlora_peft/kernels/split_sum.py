@@ -1,0 +1,60 @@
+"""Splits of a reduction summed inside the kernel that computed them: no separate sum launch.
+
+A kernel that splits its reduction dimension (lora_shrink over K, the weight gradients over tokens,
+so every SM gets work at a few thousand tokens) used to write one fp32 slab per split and leave the
+sum, and the cast to the result's dtype, to two more torch ops. Each op costs a launch's host time,
+and the o_proj and q/k/v blocks are host-bound (docs/benchmarks.md). Here each program stores its
+partial tile, then counts itself in with an atomic on the tile's counter; the program that completes
+the count sums the partials in split order and writes the result in its final dtype and layout. The
+sum's order does not depend on which program came last, so results stay deterministic.
+
+The counters live in one int32 buffer per (device, stream), zeroed once and left at zero by every
+launch (the last program of a tile resets its counter), so a launch costs no memset. Launches on
+one stream run one after another and never share a counter while running; another stream gets its
+own buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Counters per (device, stream handle); grown (and the old buffer dropped) when a launch needs more.
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_MIN_COUNTERS = 4096
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least `tiles` counters for launches on the current stream of `device`."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+@triton.jit
+def split_total(acc, Partial_ptr, offsets, mask, split, n_splits, stride_split, Counter_ptr):
+    """(is_last, total) for this program's tile of split `split` out of `n_splits`.
+
+    Stores acc (fp32) as the split's partial at Partial_ptr + split * stride_split + offsets, then
+    counts in at Counter_ptr. The program whose count completes the tile gets is_last and the sum of
+    every split's partial in split order (and resets the counter); the others get is_last False.
+    """
+    tl.store(Partial_ptr + split * stride_split + offsets, acc, mask=mask)
+    # Every thread's store is issued before the counting atomic, whose release (acq_rel, GPU scope)
+    # then publishes them; the last program's acquire orders its loads after all of them, and the
+    # loads bypass L1 (".cg"), which is not coherent across SMs.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counter_ptr, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == n_splits - 1
+    total = tl.zeros_like(acc)
+    if is_last:
+        for other in range(0, n_splits):
+            partial_ptrs = Partial_ptr + other * stride_split + offsets
+            total += tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(Counter_ptr, 0, sem="relaxed", scope="gpu")
+    return is_last, total
