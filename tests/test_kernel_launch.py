@@ -89,8 +89,9 @@ def test_reused_kernel_is_the_one_triton_launches():
     storage = torch.randn(80 * 300, device=device, dtype=torch.bfloat16)
     weight_storage = torch.randn(16 * 300 + 1, device=device, dtype=torch.bfloat16)
     meta = dict(
-        BLOCK_M=32, BLOCK_K=64, BLOCK_R=16, DOT_PRECISION="tf32", DOT_MODE=1, num_warps=4, num_stages=2
-    )
+        BLOCK_M=32, BLOCK_K=64, BLOCK_R=16, DOT_PRECISION="tf32", DOT_MODE=1, SPLIT=False,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
     cases = [
         (storage[: 64 * 256].view(64, 256), weight_storage[: 16 * 256].view(16, 256)),
         (storage[1 : 1 + 64 * 256].view(64, 256), weight_storage[: 16 * 256].view(16, 256)),  # x misaligned
@@ -102,15 +103,15 @@ def test_reused_kernel_is_the_one_triton_launches():
     for round_ in range(2):  # the second round launches from the cache
         for x, weight in cases:
             rows, k = x.shape
-            out = torch.empty(1, rows, 16, device=device, dtype=torch.float32)
+            out = torch.empty(rows, 16, device=device, dtype=torch.float32)
             args = (
-                x, weight, out, rows, k, 16, k, 0.5,
-                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-                out.stride(0), out.stride(1), out.stride(2),
+                x, weight, out, out, out,  # one split: no partials, no counters
+                rows, k, 16, k, 1, 0.5,
+                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             )  # fmt: skip
             grid = (triton_cdiv(rows, 32), 1, 1)
             cached[grid](*args, **meta)
-            torch.testing.assert_close(out[0], 0.5 * (x.float() @ weight.float().T), rtol=1e-5, atol=1e-3)
+            torch.testing.assert_close(out, 0.5 * (x.float() @ weight.float().T), rtol=1e-5, atol=1e-3)
             own = cached.kernel[grid](*args, **meta)  # Triton's own path, bypassing the cache
             assert cached.compiled[cached.key(args, meta, torch.cuda.current_device())] is own, (
                 round_,
