@@ -90,39 +90,27 @@ def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
     _report(f"expand_add_ N={n} R={rank} w={str(right_dtype)[6:]}", default, results, base.numel() * 4)
 
 
-def tune_weight_grad(k: int, rank: int) -> None:
-    x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
-    left = torch.randn(TOKENS, rank, device="cuda", dtype=torch.float32)
-    default = _bench(lambda: lt._lora_weight_grad_triton(left=left, x=x, scale=0.5))
-    results = []
-    for block_m, block_k, warps, stages in itertools.product((64, 128), (128, 256), (4, 8), (2, 3, 4)):
-
-        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
-            lt._lora_weight_grad_triton(
-                left=left, x=x, scale=0.5,
-                block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages,
-            )  # fmt: skip
-
-        config = dict(m=block_m, k=block_k, w=warps, s=stages)
-        try:
-            results.append((_bench(launch), config))
-        except Exception as error:
-            print(f"  skip {config}: {type(error).__name__}")
-    _report(f"weight_grad K={k} R={rank}", default, results, x.numel() * 2)
+# (BLOCK_M, BLOCK_K, warps, stages) candidates of lora_weight_grad: with the launcher's token splits,
+# and (`--weight-grad-unsplit`) with one program per column tile walking every token row, which
+# needs narrower column tiles to give every SM work.
+_WEIGHT_GRAD_CONFIGS = tuple(itertools.product((64, 128), (128, 256), (4, 8), (2, 3, 4)))
+_UNSPLIT_WEIGHT_GRAD_CONFIGS = tuple(itertools.product((64, 128), (16, 32, 64), (4, 8), (3,)))
 
 
-def tune_weight_grad_unsplit(k: int, rank: int, tokens: int = TOKENS) -> None:
-    """One program per column tile walking every token row (no split, so no separate sum launch),
-    against the default launch (split rows + a torch sum)."""
+def tune_weight_grad(k: int, rank: int, tokens: int = TOKENS, split: int | None = None) -> None:
+    """lora_weight_grad's configs against its default launch (token splits, summed in the kernel);
+    split=1: one program per column tile walking every token row, no split at all."""
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     left = torch.randn(rank, tokens, device="cuda", dtype=torch.float32).T  # token-major, as the shrink gives
     default = _bench(lambda: lt._lora_weight_grad_triton(left=left, x=x, scale=0.5))
     results = []
-    for block_m, block_k, warps, stages in itertools.product((64, 128), (16, 32, 64), (4, 8), (3,)):
+    for block_m, block_k, warps, stages in (
+        _WEIGHT_GRAD_CONFIGS if split is None else _UNSPLIT_WEIGHT_GRAD_CONFIGS
+    ):
 
         def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
             lt._lora_weight_grad_triton(
-                left=left, x=x, scale=0.5, split=1,
+                left=left, x=x, scale=0.5, split=split,
                 block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages,
             )  # fmt: skip
 
@@ -131,7 +119,8 @@ def tune_weight_grad_unsplit(k: int, rank: int, tokens: int = TOKENS) -> None:
             results.append((_bench(launch), config))
         except Exception as error:
             print(f"  skip {config}: {type(error).__name__}")
-    _report(f"weight_grad unsplit M={tokens} K={k} R={rank}", default, results, x.numel() * 2)
+    name = f"weight_grad M={tokens} K={k} R={rank}" + ("" if split is None else f" split={split}")
+    _report(name, default, results, x.numel() * 2)
 
 
 def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> None:
@@ -243,7 +232,7 @@ def main() -> None:
         return
     if "--weight-grad-unsplit" in sys.argv:
         for tokens, k, rank in itertools.product((8192, 2048), (4096, 14336), (16, 48)):
-            tune_weight_grad_unsplit(k, rank, tokens)
+            tune_weight_grad(k, rank, tokens, split=1)
         return
     if "--weight-grad" in sys.argv:
         for k in (14336, 4096):
