@@ -11,7 +11,8 @@ sum's order does not depend on which program came last, so results stay determin
 The counters live in one int32 buffer per (device, stream), zeroed once and left at zero by every
 launch (the last program of a tile resets its counter), so a launch costs no memset. Launches on
 one stream run one after another and never share a counter while running; another stream gets its
-own buffer.
+own buffer. Not exercised under CUDA-graph capture: a buffer first made while a stream is being
+captured would come from the graph's memory pool.
 """
 
 from __future__ import annotations
