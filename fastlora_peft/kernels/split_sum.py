@@ -11,8 +11,9 @@ sum's order does not depend on which program came last, so results stay determin
 The counters live in one int32 buffer per (device, stream), zeroed once and left at zero by every
 launch (the last program of a tile resets its counter), so a launch costs no memset. Launches on
 one stream run one after another and never share a counter while running; another stream gets its
-own buffer. Not exercised under CUDA-graph capture: a buffer first made while a stream is being
-captured would come from the graph's memory pool.
+own buffer. A launch captured into a CUDA graph on a stream that has no buffer yet gets counters of
+its own, zeroed inside the graph (kept by no cache: the graph's memory pool owns them). Neither case
+has run under CUDA-graph capture on a GPU yet.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     key = (device, stream)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(tiles, dtype=torch.int32, device=device)  # the zeroing is captured too
         counters = torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
