@@ -238,6 +238,46 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("x_dtype, w_dtype", [(BF16, FP32), (FP16, FP32), (BF16, BF16)], ids=str)
+def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch):
+    # Accuracy alone cannot tell the split dot from 3xTF32 (both reach ~1e-7): pin which mode and
+    # precision each launch of the shrink, the weight gradient, the expand-add and the gated kernels
+    # gets, so a launcher that stops asking `dot_mode` (a silent 2x slowdown on the GPU) fails here.
+    from fastlora_peft.kernels import gated_act_lora, gated_act_lora_forward
+    from fastlora_peft.kernels._launch import CachedKernel
+
+    launches = []
+    launch = CachedKernel.launch
+    monkeypatch.setattr(
+        CachedKernel,
+        "launch",
+        lambda self, grid, args, meta: launches.append((self.name, meta)) or launch(self, grid, args, meta),
+    )
+    x = _make(37, 70, x_dtype, "contig")
+    weight = _make(5, 70, w_dtype, "contig")
+    left = _make(37, 5, FP32, "contig")
+    lora_terms.lora_shrink(x, weight)
+    lora_terms.lora_weight_grad(left, x, SCALE)
+    lora_terms.lora_expand_add_(x.clone(), left, _make(70, 5, w_dtype, "contig"), SCALE)
+    gate, up = _make(37, 70, x_dtype, "contig"), _make(37, 70, x_dtype, "contig")
+    right = _make(70, 5, w_dtype, "contig")
+    gated_act_lora_forward.gated_act_lora_forward_(gate, up, "silu", left, right, SCALE, left, right, SCALE)
+    gated_act_lora.gated_act_backward_weight_grad_(x.clone(), gate, up, "silu", left, SCALE)
+    seen = {name: meta for name, meta in launches}
+    split = x_dtype == BF16  # a bf16 activation against an fp32 tile (every weight gradient's left)
+    if x_dtype == w_dtype:  # 16-bit pair: as loaded on a GPU; the interpreter multiplies fp32 only
+        shrink_mode = dots.NATIVE_DOT if DEVICE == "cuda" else dots.FP32_DOT
+    else:
+        shrink_mode = dots.SPLIT_DOT if split else dots.FP32_DOT
+    assert seen["_lora_shrink_kernel"]["DOT_MODE"] == shrink_mode
+    for kernel in ("_lora_weight_grad_kernel", "_gated_act_backward_weight_grad_kernel"):
+        assert seen[kernel]["DOT_MODE"] == (dots.SPLIT_DOT if split else dots.FP32_DOT), kernel
+    expand_precision = "tf32" if x_dtype == BF16 else "tf32x3"  # fp32 adapters too, into bf16
+    for kernel in ("_lora_expand_add_kernel", "_gated_act_lora_forward_kernel"):
+        assert seen[kernel]["DOT_PRECISION"] == expand_precision, kernel
+
+
+@needs_triton
 def test_split_sums_leave_their_counters_at_zero():
     # The last program of each tile sums the splits and resets the tile's counter. A counter left
     # behind would make the next launch's tile wait for one arrival too many: its result never written.
