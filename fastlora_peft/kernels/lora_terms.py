@@ -229,6 +229,9 @@ def _lora_weight_grad_kernel(
 _SHRINK_TILES = {
     NATIVE_DOT: (32, 128),  # 28us, against 45us for tf32 dots of 32 x 64 (K=14336: 70 against 115us)
     FP32_DOT: (64, 64),  # fp32 weights under tf32x3: 51us, 1.3 TB/s
+    # Split (bf16 x, fp32 weight): of six tiles timed once, 64 x 64 was fastest at K=14336 (81us);
+    # at K=4096 128 x 128 read 40 against 47us in the same run, while the default launch of 64 x 64
+    # read 32us before it (`docs/benchmarks/session9/dot_modes_probe_1_with_tiles.log`): noise there.
     SPLIT_DOT: (64, 64),
 }
 
@@ -378,7 +381,9 @@ def _lora_weight_grad_triton(
     left = left if left.stride(0) == 1 else left.T.contiguous().T
     block_r = block_r or _rank_block(R, cap=64)
     # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
-    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster.
+    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. Not retuned for the
+    # split dot bf16 x now takes (one run at rank 16: 64 rows 56us, 128 rows 40us at K=4096; 83 and
+    # 97us at K=14336, `dot_modes_probe_1_with_tiles.log`, where the default launch read 36us).
     block_m = block_m or (128 if block_r >= 32 and K <= 8192 else 64)
     k_tiles, r_tiles = cdiv(K, block_k), cdiv(R, block_r)
     if split is None:
