@@ -11,9 +11,13 @@ sum's order does not depend on which program came last, so results stay determin
 The counters live in one int32 buffer per (device, stream), zeroed once and left at zero by every
 launch (the last program of a tile resets its counter), so a launch costs no memset. Launches on
 one stream run one after another and never share a counter while running; another stream gets its
-own buffer. A launch captured into a CUDA graph on a stream that has no buffer yet gets counters of
-its own, zeroed inside the graph (kept by no cache: the graph's memory pool owns them). Neither case
-has run under CUDA-graph capture on a GPU yet.
+own buffer. Two cases get counters of their own, zeroed per launch and cached nowhere:
+
+* a launch captured into a CUDA graph: a replay may run beside eager launches on another stream,
+  so it must not share their buffer (the zeroing is captured with it);
+* a launch whose fresh buffer landed in a CUDA graph's private memory pool (torch.compile's
+  cudagraph trees warm a graph up with this thread's allocations routed there): the tree may later
+  hand that memory to its own tensors, so caching it could corrupt the counters.
 """
 
 from __future__ import annotations
@@ -29,15 +33,30 @@ _MIN_COUNTERS = 4096
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least `tiles` counters for launches on the current stream of `device`."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device, stream)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(tiles, dtype=torch.int32, device=device)  # the zeroing is captured too
         counters = torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        if device.type == "cuda" and not in_default_memory_pool(counters):
+            return counters
         _COUNTERS[key] = counters
     return counters
+
+
+def in_default_memory_pool(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA tensor's memory belongs to the caching allocator's default pool, not a graph's.
+
+    Reads the allocator's snapshot (milliseconds with many segments): called once per new buffer.
+    """
+    address = tensor.data_ptr()
+    for segment in torch.cuda.memory_snapshot():
+        start = segment["address"]
+        if start <= address < start + segment["total_size"]:
+            return tuple(segment["segment_pool_id"]) == (0, 0)
+    return False  # not found: treat as not ours to cache
 
 
 @triton.jit
