@@ -2,10 +2,10 @@
 
 The split kernels (shrink, weight gradient, the gated backward's dA_down) meet their splits through
 counters that must be zero at every launch (`kernels/split_sum.py`). Eager launches share one cached
-buffer per stream; a captured launch gets its own, zeroed inside the graph; a buffer made while a
-graph's memory pool takes the allocations is not cached. A counter left non-zero, or shared with
-memory a graph pool hands out, loses a tile's result: far off eager, not a rounding difference.
-GPU only (skipped without CUDA).
+scratch (partials and counters) per stream; a captured launch gets its own, its counters zeroed
+inside the graph; scratch made while a graph's memory pool takes the allocations is not cached. A
+counter left non-zero, or shared with memory a graph pool hands out, loses a tile's result: far off
+eager, not a rounding difference. GPU only (skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -31,54 +31,55 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture
 def split_launches(monkeypatch):
-    """Records, per call of split_counters, whether the stream was capturing."""
+    """Records, per call of split_scratch, whether the stream was capturing."""
     calls: list[bool] = []
-    original = split_sum.split_counters
+    original = split_sum.split_scratch
 
-    def recording(device, tiles):
+    def recording(device, partial_elements, tiles):
         calls.append(torch.cuda.is_current_stream_capturing())
-        return original(device, tiles)
+        return original(device, partial_elements, tiles)
 
     for module in (lora_terms, gated_act_lora):
-        monkeypatch.setattr(module, "split_counters", recording)
+        monkeypatch.setattr(module, "split_scratch", recording)
     return calls
 
 
 def assert_cached_counters_zero() -> None:
     torch.cuda.synchronize()
-    for key, counters in split_sum._COUNTERS.items():
-        assert not counters.any(), (key, counters.nonzero())
+    for key, scratch in split_sum._SCRATCH.items():
+        assert not scratch.counters.any(), (key, scratch.counters.nonzero())
 
 
-def test_captured_launches_get_counters_of_their_own():
+def test_captured_launches_get_scratch_of_their_own():
     # A replay may run beside eager launches on another stream: it must not share their buffer, even
     # when its capture stream already has one cached.
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        cached = split_sum.split_counters(device, 64)
+        cached = split_sum.split_scratch(device, 256, 64)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        captured = split_sum.split_counters(device, 64)
-    assert captured.data_ptr() != cached.data_ptr()
-    assert split_sum._COUNTERS[(device, stream.cuda_stream)] is cached
+        captured = split_sum.split_scratch(device, 256, 64)
+    assert captured.counters.data_ptr() != cached.counters.data_ptr()
+    assert captured.partials.data_ptr() != cached.partials.data_ptr()
+    assert split_sum._SCRATCH[(device, stream.cuda_stream)] is cached
 
 
-def test_counters_made_in_a_graph_memory_pool_are_not_cached():
+def test_scratch_made_in_a_graph_memory_pool_is_not_cached():
     # torch.compile's cudagraph trees warm a graph up with this thread's allocations in the graph's
     # pool, and may hand that memory to their own tensors later.
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream()
     pool = torch.cuda.MemPool()
     with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
-        in_pool = split_sum.split_counters(device, 64)
-    assert not split_sum.in_default_memory_pool(in_pool)
-    assert (device, stream.cuda_stream) not in split_sum._COUNTERS
-    assert not in_pool.any()
+        in_pool = split_sum.split_scratch(device, 256, 64)
+    assert not split_sum.in_default_memory_pool(in_pool.counters)
+    assert (device, stream.cuda_stream) not in split_sum._SCRATCH
+    assert not in_pool.counters.any()
     with torch.cuda.stream(stream):
-        cached = split_sum.split_counters(device, 64)
-    assert split_sum.in_default_memory_pool(cached)
-    assert split_sum._COUNTERS[(device, stream.cuda_stream)] is cached
+        cached = split_sum.split_scratch(device, 256, 64)
+    assert split_sum.in_default_memory_pool(cached.counters)
+    assert split_sum._SCRATCH[(device, stream.cuda_stream)] is cached
 
 
 def test_split_kernels_replayed_from_a_graph_match_eager(split_launches):

@@ -278,6 +278,34 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
 
 
 @needs_triton
+@pytest.mark.parametrize("x_dtype", [BF16, FP16], ids=str)
+def test_shrink_copies_a_transposed_fp32_weight_only_for_tf32x3(x_dtype, monkeypatch):
+    # g @ B in every backward of PEFT's default layout reads lora_b.T (fp32, rank dim contiguous).
+    # 3xTF32 dots want it copied K-contiguous (3x faster there); the split dot reads it as it is,
+    # and a copy would cost one more op's host time per projection.
+    from fastlora_peft.kernels._launch import CachedKernel
+
+    weights = []
+    launch = CachedKernel.launch
+    monkeypatch.setattr(
+        CachedKernel,
+        "launch",
+        lambda self, grid, args, meta: weights.append(args[1]) or launch(self, grid, args, meta),
+    )
+    x = _make(37, 70, x_dtype, "contig")
+    lora_b_t = _make(70, 5, FP32, "contig").T
+    got = lora_terms.lora_shrink(x, lora_b_t)
+    assert_rel_close(
+        got, x.double() @ lora_b_t.double().T, SPLIT_TOLERANCE if x_dtype == BF16 else TOLERANCE[FP32]
+    )
+    (launched,) = weights
+    if x_dtype == BF16:
+        assert launched is lora_b_t
+    else:
+        assert launched.is_contiguous() and launched.data_ptr() != lora_b_t.data_ptr()
+
+
+@needs_triton
 def test_split_sums_leave_their_counters_at_zero():
     # The last program of each tile sums the splits and resets the tile's counter. A counter left
     # behind would make the next launch's tile wait for one arrival too many: its result never written.
@@ -293,9 +321,49 @@ def test_split_sums_leave_their_counters_at_zero():
         )
         assert got.dtype == BF16
         assert_rel_close(got, SCALE * (left.double().T @ x.double()), TOLERANCE[BF16])
-    assert split_sum._COUNTERS, "the split launches used no counters"
-    for counters in split_sum._COUNTERS.values():
-        assert not counters.any(), counters.nonzero()
+    assert split_sum._SCRATCH, "the split launches used no counters"
+    for scratch in split_sum._SCRATCH.values():
+        assert not scratch.counters.any(), scratch.counters.nonzero()
+
+
+def test_scratch_is_cached_only_from_the_default_memory_pool(monkeypatch):
+    # The allocator's snapshot decides: a segment of pool (0, 0) is the default pool's; a graph
+    # pool's segment, or an address in no listed segment, is not; no snapshot at all (another
+    # allocator backend) cannot tell pools apart, so the buffer is cached as before.
+    tensor = torch.empty(8)
+    address = tensor.data_ptr()
+
+    def snapshot_of(pool, start=address - 64):
+        return lambda: [{"address": start, "total_size": 4096, "segment_pool_id": pool}]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot_of((0, 0)))
+    assert split_sum.in_default_memory_pool(tensor)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot_of((1, 2)))
+    assert not split_sum.in_default_memory_pool(tensor)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot_of((0, 0), start=address + 64))
+    assert not split_sum.in_default_memory_pool(tensor)
+
+    def no_snapshot():
+        raise RuntimeError("not supported by this allocator backend")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", no_snapshot)
+    assert split_sum.in_default_memory_pool(tensor)
+
+
+@needs_triton
+def test_split_launches_reuse_their_scratch():
+    # Partials and counters are kept per stream, not allocated per launch (each allocation is host
+    # time in a host-bound step); a smaller launch after a larger one reads only its own partials.
+    x = _make(37, 70, BF16, "sliced")
+    weight = _make(21, 70, FP32, "contig")
+    blocks = dict(block_m=16, block_k=16, block_r=16)
+    lora_terms._lora_shrink_triton(x=x, weight=weight, split=3, **blocks)
+    key = (x.device, 0)
+    scratch = split_sum._SCRATCH[key]
+    for rows, split in ((37, 2), (20, 3), (37, 3)):
+        got = lora_terms._lora_shrink_triton(x=x[:rows], weight=weight, split=split, **blocks)
+        assert_rel_close(got, x[:rows].double() @ weight.double().T, SPLIT_TOLERANCE)
+        assert split_sum._SCRATCH[key] is scratch, (rows, split)
 
 
 @pytest.mark.parametrize("k_major", [False, True], ids=["r-major", "k-major"])

@@ -41,7 +41,7 @@ from .gated_act import (
     _unit_column_stride,
 )
 from .lora_terms import _num_sms, _rank_block
-from .split_sum import split_counters, split_total
+from .split_sum import split_scratch, split_total
 
 _OP = "gated_act_backward_weight_grad_"
 
@@ -193,8 +193,8 @@ def _gated_act_backward_weight_grad_triton(
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
     out = torch.empty((R, n_cols), dtype=torch.float32, device=gate.device)
-    partial = torch.empty((split, R * n_cols), dtype=torch.float32, device=gate.device) if split > 1 else out
-    counters = split_counters(gate.device, col_tiles * cdiv(R, block_r)) if split > 1 else out
+    tiles = col_tiles * cdiv(R, block_r)
+    partial, counters = split_scratch(gate.device, split * R * n_cols, tiles) if split > 1 else (out, out)
     grid = (col_tiles, split)
     _gated_act_backward_weight_grad_kernel[grid](
         grad_h, gate, up, left, out, partial, counters,

@@ -38,7 +38,7 @@ from fastlora_peft.kernels.dots import (
     dot_precision,
     expand_dot_precision,
 )
-from fastlora_peft.kernels.split_sum import split_counters, split_total
+from fastlora_peft.kernels.split_sum import split_scratch, split_total
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted for gradcheck only: it always runs the reference, in float64 (see _backend).
@@ -254,9 +254,13 @@ def _lora_shrink_triton(
     # fed to native dots with 32-row tiles, 128-wide K steps and 4 stages took 28us, against 45us for
     # tf32 dots of 32 x 64 x 3 stages (K=14336: 70 against 115us). fp32 weights (tf32x3) were fastest
     # with 64 x 64 (51us, 1.3 TB/s) and only with weight's K dim contiguous (162us for lora_b.T), so
-    # such an adapter (R * K * 4 bytes, ~1 MB) is copied first.
+    # such an adapter (R * K * 4 bytes, ~1 MB) is copied first. The split dot (bf16 x, fp32 weight)
+    # splits the tile into bf16 parts in registers and reads lora_b.T as it is: 51.4us against 41.3 for
+    # copy and shrink at K=4096, 77.5 against 82.1 at K=14336 (H200, 8192 tokens, rank 16,
+    # `session9/shrink_fp32_b_transposed_scratch.log`), about even over an MLP's three, while the copy
+    # is one more op's host time in every projection's backward in PEFT's default layout.
     mode = dot_mode(x, weight)
-    if weight.dtype == torch.float32:
+    if mode == FP32_DOT and weight.dtype == torch.float32:
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
     block_r = block_r or _rank_block(R, cap=128)
@@ -276,8 +280,9 @@ def _lora_shrink_triton(
     # the splits' partials are summed in split order inside the kernel (split_sum).
     out = torch.empty((R, M), dtype=torch.float32, device=x.device).T
     r_tiles = cdiv(R, block_r)
-    partial = torch.empty((split, M * R), dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = split_counters(x.device, row_blocks * r_tiles) if split > 1 else out
+    partial, counters = (
+        split_scratch(x.device, split * M * R, row_blocks * r_tiles) if split > 1 else (out, out)
+    )
     grid = (row_blocks, r_tiles, split)
     _lora_shrink_kernel[grid](
         x, weight, out, partial, counters,
@@ -394,8 +399,7 @@ def _lora_weight_grad_triton(
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
-    partial = torch.empty((split, R * K), dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = split_counters(x.device, k_tiles * r_tiles) if split > 1 else out
+    partial, counters = split_scratch(x.device, split * R * K, k_tiles * r_tiles) if split > 1 else (out, out)
     grid = (k_tiles, split, r_tiles)
     _lora_weight_grad_kernel[grid](
         left, x, out, partial, counters,

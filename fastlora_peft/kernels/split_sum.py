@@ -8,42 +8,62 @@ partial tile, then counts itself in with an atomic on the tile's counter; the pr
 the count sums the partials in split order and writes the result in its final dtype and layout. The
 sum's order does not depend on which program came last, so results stay deterministic.
 
-The counters live in one int32 buffer per (device, stream), zeroed once and left at zero by every
-launch (the last program of a tile resets its counter), so a launch costs no memset. Launches on
-one stream run one after another and never share a counter while running; another stream gets its
-own buffer. Two cases get counters of their own, zeroed per launch and cached nowhere:
+The partials and the counters are scratch kept per (device, stream) (`split_scratch`), grown when a
+launch needs more: the counters zeroed once and left at zero by every launch (the last program of a
+tile resets its counter), so a launch costs no memset and no allocation. Launches on one stream run
+one after another, each done with its partials and counters before the next starts; another stream
+gets its own. Two cases get scratch of their own, made per launch and cached nowhere:
 
 * a launch captured into a CUDA graph: a replay may run beside eager launches on another stream,
-  so it must not share their buffer (the zeroing is captured with it);
-* a launch whose fresh buffer landed in a CUDA graph's private memory pool (torch.compile's
+  so it must not share their scratch (the counters' zeroing is captured with it);
+* a launch whose fresh scratch landed in a CUDA graph's private memory pool (torch.compile's
   cudagraph trees warm a graph up with this thread's allocations routed there): the tree may later
   hand that memory to its own tensors, so caching it could corrupt the counters.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-# Counters per (device, stream handle); grown (and the old buffer dropped) when a launch needs more.
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+class SplitScratch(NamedTuple):
+    partials: torch.Tensor  # fp32, at least (splits x a tile's elements): each launch's own layout
+    counters: torch.Tensor  # int32, zeroed, at least one per tile
+
+
+# Per (device, stream handle): the scratch of the largest launch so far (a few MB at Llama-8B sizes).
+_SCRATCH: dict[tuple[torch.device, int], SplitScratch] = {}
 _MIN_COUNTERS = 4096
 
 
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least `tiles` counters for launches on the current stream of `device`."""
+def split_scratch(device: torch.device, partial_elements: int, tiles: int) -> SplitScratch:
+    """Partials and zeroed counters for a split launch on the current stream of `device`."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
+        partials = torch.empty(partial_elements, dtype=torch.float32, device=device)
+        return SplitScratch(partials, torch.zeros(tiles, dtype=torch.int32, device=device))
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device, stream)
-    counters = _COUNTERS.get(key)
+    scratch = _SCRATCH.get(key)
+    if (
+        scratch is not None
+        and scratch.partials.numel() >= partial_elements
+        and scratch.counters.numel() >= tiles
+    ):
+        return scratch
+    partials, counters = scratch if scratch is not None else (None, None)
+    if partials is None or partials.numel() < partial_elements:
+        partials = torch.empty(partial_elements, dtype=torch.float32, device=device)
     if counters is None or counters.numel() < tiles:
         counters = torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        if device.type == "cuda" and not in_default_memory_pool(counters):
-            return counters
-        _COUNTERS[key] = counters
-    return counters
+    scratch = SplitScratch(partials, counters)
+    if device.type == "cuda" and not (in_default_memory_pool(partials) and in_default_memory_pool(counters)):
+        return scratch
+    _SCRATCH[key] = scratch
+    return scratch
 
 
 def in_default_memory_pool(tensor: torch.Tensor) -> bool:
@@ -52,11 +72,17 @@ def in_default_memory_pool(tensor: torch.Tensor) -> bool:
     Reads the allocator's snapshot (milliseconds with many segments): called once per new buffer.
     """
     address = tensor.data_ptr()
-    for segment in torch.cuda.memory_snapshot():
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:
+        # An allocator without snapshots (e.g. `backend:cudaMallocAsync`): nothing to tell pools
+        # apart by, so the buffer is cached as it was before this check existed.
+        return True
+    for segment in segments:
         start = segment["address"]
         if start <= address < start + segment["total_size"]:
             return tuple(segment["segment_pool_id"]) == (0, 0)
-    return False  # not found: treat as not ours to cache
+    return False  # not among the segments listed: not known to be the default pool's, so not cached
 
 
 @triton.jit
