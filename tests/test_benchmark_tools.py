@@ -1,0 +1,37 @@
+"""The benchmark tools that run on the CPU: what they measure is the GPU machine's business, but
+whether they measure the right thing is checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
+    # An A/B whose two arms import the same package measures noise (it happened: `python -m` puts
+    # the working directory ahead of PYTHONPATH). The old arm here is a copy of the package in
+    # another directory; the tool checks each process imported its own arm's package.
+    old = tmp_path / "old"
+    shutil.copytree(
+        REPO / "fastlora_peft", old / "fastlora_peft", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    out = tmp_path / "ab.json"
+    command = [sys.executable, "-m", "benchmarks.host_ab", "--smoke", "--old", str(old), "--cases", "o:4"]
+    command += ["--rounds", "2", "--steps", "2", "--out", str(out)]
+    # The CPU references, not the interpreter: this checks the processes, not the kernels.
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    rounds = summary["o:4"]["rounds"]
+    assert len(rounds["old"]) == len(rounds["new"]) == 2
+    assert all(value > 0 for values in rounds.values() for value in values)
+    # Alternating order: old first in round 1, new first in round 2.
+    lines = [line for line in done.stdout.splitlines() if line.startswith("round")]
+    assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
