@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TRITON_INTERPRET, LaunchSpy, assert_rel_close, requires_interpreter
 
-from fastlora_peft.kernels import gated_act, gated_act_lora, gated_act_reference, lora_terms
+from fastlora_peft.kernels import gated_act, gated_act_lora, gated_act_reference
 from fastlora_peft.kernels.gated_act_lora import (
     gated_act_backward_weight_grad_,
     gated_act_backward_weight_grad_op,
@@ -158,105 +158,6 @@ def test_kernel_matches_unfused_reference_and_float64(case: Case):
     assert torch.equal(grad_h, grad_h_before) and torch.equal(left, left_before), "an input was written"
 
 
-# --- dh's LoRA term (`right`): dh = grad_h + scale * left @ right.T, rounded to grad_h's dtype -----
-
-
-def make_right(dtype, rank, features=FEATURES, seed=5):
-    """lora_A_down.T as the MLP hands it over: a transposed view, [I, R] with strides (1, I). Its term
-    is about as large as grad_h, so a skipped or unscaled term is far outside any tolerance."""
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(rank, features, generator=generator) * 0.3).to(dtype).t()
-
-
-def float64_truth_with_term(grad_h, gate, up, activation, left, right):
-    """float64 autograd on dh = grad_h + scale * left @ right.T, unrounded."""
-    grad_h64 = grad_h.double() + SCALE * left.double() @ right.double().T
-    return float64_truth(grad_h64, gate, up, activation, left)
-
-
-# (grad_h/gate dtype, right dtype, rank, block_r): rank 70 with 16-wide rank blocks runs five rank
-# blocks of the term's loop (and five passes of dA); with the default 64, two.
-TERM_CASES = [
-    (BF16, FP32, 5, None),
-    (BF16, BF16, 70, 16),
-    (FP16, FP32, 70, None),
-    (FP32, FP32, 5, None),
-    (FP32, BF16, 70, 16),
-]
-
-
-# The Triton kernel runs on a GPU when there is one, else under the interpreter, else not at all.
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu" if TRITON_INTERPRET else None
-requires_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs a GPU or TRITON_INTERPRET=1")
-
-
-@requires_kernel
-@pytest.mark.parametrize(
-    "dtype, right_dtype, rank, block_r",
-    TERM_CASES,
-    ids=[f"{DTYPE_NAMES[d]}-right{DTYPE_NAMES[r]}-r{k}-br{b}" for d, r, k, b in TERM_CASES],
-)
-def test_kernel_adds_dh_term_like_expand_add_then_backward(dtype, right_dtype, rank, block_r):
-    inputs = make_inputs(dtype, rank, "cols", seed=6)
-    grad_h, gate_up, left = (t.to(KERNEL_DEVICE) for t in inputs)
-    right = make_right(right_dtype, rank).to(KERNEL_DEVICE)
-    grad_h_before = grad_h.clone()
-    buffer = gate_up.clone()
-    gate, up = halves(buffer)
-    launch = dict(activation="silu", left=left, scale=SCALE, split=3, block_m=16, block_i=16, block_r=block_r)
-    grad_weight = gated_act_lora._gated_act_backward_weight_grad_triton(
-        grad_h=grad_h, gate=gate, up=up, right=right, **launch
-    )
-    assert torch.equal(grad_h, grad_h_before), "grad_h was written"
-    # The unfused path this replaces: the expand-add kernel into dh, then the kernel without a term.
-    dh = lora_terms.lora_expand_add(grad_h, left, right, SCALE, dtype)
-    unfused_gate, unfused_up = halves(gate_up.clone())
-    unfused_weight = gated_act_lora._gated_act_backward_weight_grad_triton(
-        grad_h=dh, gate=unfused_gate, up=unfused_up, **launch
-    )
-    reference = gated_act_reference.gated_act_backward_weight_grad(
-        grad_h, *halves(gate_up), "silu", left, SCALE, right
-    )
-    exact = float64_truth_with_term(grad_h, *halves(gate_up), "silu", left, right)
-    # dh is rounded to grad_h's dtype before the activation's backward, as the expand-add leaves it.
-    tol = {FP32: 1e-6, BF16: 1.2e-2, FP16: 2e-3}[dtype]
-    for name, actual, unfused, wanted, truth in zip(
-        ("grad_gate", "grad_up"), (gate, up), (unfused_gate, unfused_up), reference, exact
-    ):
-        assert_rel_close(actual, unfused, TOLERANCE[dtype], f"{name} vs expand-add then backward")
-        assert_rel_close(actual, wanted, tol, f"{name} vs reference")
-        assert_rel_close(actual, truth, tol, f"{name} vs float64")
-    # dA reads h, not dh: the term must not touch it (same launch, same order of sums).
-    assert torch.equal(grad_weight, unfused_weight)
-    assert_rel_close(grad_weight, exact[2], TOLERANCE[dtype], "dA vs float64")
-
-
-@requires_interpreter
-def test_public_op_passes_right_to_the_kernel(monkeypatch):
-    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grad_kernel)
-    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grad_kernel", spy)
-    grad_h, gate_up, left = make_inputs(FP32, 5, "cols", seed=7)
-    right = make_right(FP32, 5)
-    gate, up = halves(gate_up.clone())
-    gated_act_backward_weight_grad_(grad_h, gate, up, "silu", left, SCALE, right)
-    assert spy.grids == [(1, 1)]
-    exact = float64_truth_with_term(grad_h, *halves(gate_up), "silu", left, right)
-    assert_rel_close(gate, exact[0], 1e-6, "grad_gate")
-    assert_rel_close(up, exact[1], 1e-6, "grad_up")
-
-
-def test_reference_and_float64_op_add_dh_term():
-    # Whatever path runs; float64 runs the reference, which must add the term as the kernel does.
-    for dtype, tol in ((FP64, 1e-12), (FP32, 1e-6)):
-        grad_h, gate_up, left = make_inputs(dtype, 4, "rows", seed=8)
-        right = make_right(dtype, 4)
-        gate, up = halves(gate_up.clone())
-        gated_act_backward_weight_grad_(grad_h, gate, up, "gelu_tanh", left, SCALE, right)
-        exact = float64_truth_with_term(grad_h, *halves(gate_up), "gelu_tanh", left, right)
-        assert_rel_close(gate, exact[0], tol, f"{dtype} grad_gate")
-        assert_rel_close(up, exact[1], tol, f"{dtype} grad_up")
-
-
 @requires_interpreter
 def test_default_geometry_splits_tokens_with_a_partial_last_split(monkeypatch):
     # As on a GPU of 132 SMs: 1100 rows become 3 splits of 384, 384 and 332 (at least 512 rows each
@@ -344,10 +245,6 @@ def test_opcheck(dtype):
     grad_h, gate_up, left = make_inputs(dtype, 3, "rows", tokens=5, features=23, seed=3)
     gate, up = halves(gate_up)
     torch.library.opcheck(gated_act_backward_weight_grad_op, (grad_h, gate, up, "gelu_tanh", left, SCALE))
-    right = make_right(dtype, 3, features=23)
-    torch.library.opcheck(
-        gated_act_backward_weight_grad_op, (grad_h, gate, up, "gelu_tanh", left, SCALE, right)
-    )
 
 
 def bad_inputs():
@@ -379,24 +276,11 @@ def bad_inputs():
             (gate, gate.clone(), gate.clone(), "silu", torch.empty(3, 2, device="meta")),
             "left: expected device cpu",
         ),
-        "right-shape": (
-            (gate, gate.clone(), gate.clone(), "silu", left, SCALE, torch.randn(2, 5)),
-            r"right: expected a 2-D tensor \[I, R\] of shape \(5, 2\)",
-        ),
-        "right-int": (
-            (gate, gate.clone(), gate.clone(), "silu", left, SCALE, torch.ones(5, 2, dtype=torch.int32)),
-            "right: expected a float32, bfloat16 or float16 dtype",
-        ),
-        "right-device": (
-            (gate, gate.clone(), gate.clone(), "silu", left, SCALE, torch.empty(5, 2, device="meta")),
-            "right: expected device cpu",
-        ),
     }
 
 
 @pytest.mark.parametrize("name", list(bad_inputs()))
 def test_rejects_bad_inputs(name: str):
     args, message = bad_inputs()[name]
-    args = args if len(args) > 5 else (*args, SCALE)
     with pytest.raises(ValueError, match=message):
-        gated_act_backward_weight_grad_(*args)
+        gated_act_backward_weight_grad_(*args, SCALE)

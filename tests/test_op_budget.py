@@ -143,13 +143,12 @@ CASES = {
         0,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
-    # consumed inside the gated kernels; down as one projection. Backward: dh's LoRA term is added
-    # by the gated backward kernel, so the one expand-add left is gate/up's dX term.
+    # consumed inside the gated kernels; down as one projection.
     "mlp": (
         _mlp,
         _MLP_SHAPES,
         {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
-        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 1, WGRAD: 4, GATED_BWD: 1},
+        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
         1,
     ),
 }

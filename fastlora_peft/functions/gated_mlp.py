@@ -38,7 +38,6 @@ from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .shared_input import (
     hoisted_grad_xa,
-    input_grad_gemms,
     rank_slices,
     shared_input_backward,
     shared_input_forward,
@@ -164,24 +163,16 @@ def _down_backward_(
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
     """
     grad_a = None
-    # dh's LoRA term (scale * (dY Bd) Ad) goes into the kernel that reads dh next, unless the dh GEMM
-    # carries it (lora_addmm) or dh needs a cast to gate's dtype first (one rounding, as before).
-    term_in_kernel = needs_a and plan.compute_dtype == gate.dtype
     for rows in chunks:
-        grad_ha_rows = grad_ha[rows]
-        down_grad_args = ([grad_2d[rows]], grad_ha_rows, down_scale, [down_base], [down_lora], plan)
-        if term_in_kernel:
-            grad_hidden, term_pending = input_grad_gemms(*down_grad_args, gate.dtype)
-        else:
-            grad_hidden, term_pending = shared_input_grad_x(*down_grad_args, gate.dtype), False
+        grad_hidden = shared_input_grad_x(
+            [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype
+        )
         # These rows of gate/up hold their gradients afterwards.
         if needs_a:
             # One pass over dh, gate and up instead of three launches that recompute h, read it for
-            # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora),
-            # adding dh's term on the way: the expand-add it replaces read and wrote all of dh.
-            right = down_lora.lora_a.t() if term_pending else None
+            # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora).
             grad_a_rows = gated_act_backward_weight_grad_(
-                grad_hidden, gate[rows], up[rows], activation, grad_ha_rows, down_scale, right
+                grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale
             )
             grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
         else:

@@ -165,32 +165,8 @@ def shared_input_grad_x(
     The first GEMM carries all the LoRA terms (`lora_addmm`) where `lora_addmm_pays_off` says so;
     otherwise cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds the terms.
     """
-    grad_x_base, term_pending = input_grad_gemms(
-        grads_2d, grad_xa, lora_scale, bases, loras, plan, x_dtype, with_lora_term
-    )
-    if not term_pending:
-        return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
-    return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a_t(loras), lora_scale, x_dtype)
-
-
-def input_grad_gemms(
-    grads_2d: Sequence[torch.Tensor],
-    grad_xa: torch.Tensor,
-    lora_scale: float,
-    bases: Sequence[FrozenBase],
-    loras: Sequence[LoraWeights],
-    plan: DtypePlan,
-    x_dtype: torch.dtype,
-    with_lora_term: bool = True,
-) -> tuple[torch.Tensor, bool]:
-    """(sum_i g_i W_i in one buffer of `plan.compute_dtype`, whether the LoRA terms are still to add).
-
-    With `with_lora_term`, the first GEMM carries the terms where `lora_addmm` pays off; otherwise
-    they are left to the caller (`shared_input_grad_x` adds them with an expand-add, the gated MLP
-    inside the kernel that reads dh next).
-    """
     grad_x_base = None
-    term_pending = with_lora_term  # until one GEMM (lora_addmm) adds it
+    term_pending = with_lora_term  # until one GEMM (lora_addmm) or the expand-add below adds it
     for base, grad in zip(bases, grads_2d):
         weight = materialize_weight(base, plan.compute_dtype)
         grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
@@ -202,7 +178,9 @@ def input_grad_gemms(
         else:
             grad_x_base = grad_compute @ weight
         del weight, grad_compute  # as in the forward: one materialized weight at a time
-    return grad_x_base, term_pending
+    if not term_pending:
+        return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
+    return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a_t(loras), lora_scale, x_dtype)
 
 
 def lora_input_grad(

@@ -26,8 +26,6 @@ reference (:func:`.gated_act_reference.gated_act_backward_weight_grad`) otherwis
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +33,7 @@ import triton.language as tl
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import CachedKernel, cdiv
-from .dots import activation_dot, dot_mode, dot_precision, expand_dot_precision
+from .dots import activation_dot, dot_mode, dot_precision
 from .gated_act import (
     _activation_and_derivative,
     _check_inputs,
@@ -60,39 +58,16 @@ _MIN_ROWS_PER_SPLIT = 512
 
 
 @triton.jit
-def _dh_lora_term(
-    Left_ptr, Right_ptr, rows, mask_m, offs_i, mask_i, R,
-    stride_lm, stride_lr, stride_ri, stride_rr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr, TERM_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """(Left[rows, :R] @ Right[offs_i, :R]^T)^T in fp32, [BLOCK_I, BLOCK_M] (this kernel's transposed
-    tiles), BLOCK_R ranks per dot, both operands in fp32 (the interpreter's dots want fp32)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    term = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
-    for t0 in range(0, R, BLOCK_R):
-        mask_r = offs_r + t0 < R
-        right_ptrs = Right_ptr + offs_i[:, None] * stride_ri + (t0 + offs_r)[None, :] * stride_rr
-        right = tl.load(right_ptrs, mask=mask_i[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        left_t_ptrs = Left_ptr + rows[None, :] * stride_lm + (t0 + offs_r)[:, None] * stride_lr
-        left_t = tl.load(left_t_ptrs, mask=mask_r[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
-        term = tl.dot(right, left_t, term, input_precision=TERM_PRECISION)
-    return term
-
-
-@triton.jit
 def _rank_block_pass(
-    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Right_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
     offs_i, mask_i, r0, R, m_start, m_end, scale, split, n_splits, n_cols,
-    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_ri, stride_rr,
-    stride_or, stride_oi,
+    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
     ACTIVATION: tl.constexpr, STORE_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_TERM: tl.constexpr, TERM_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Out[r0 : r0 + BLOCK_R, offs_i] = scale * Left[rows, r0 : ...]^T @ h[rows, offs_i] over the rows
     [m_start, m_end) of this split, the splits summed through `split_total`; with STORE_GRADS, also
-    gate, up <- grad_gate, grad_up on those rows and columns, dh taken as
-    `grad_h + scale * Left @ Right^T` (rounded to grad_h's dtype) with HAS_TERM."""
+    gate, up <- grad_gate, grad_up on those rows and columns."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_m = tl.arange(0, BLOCK_M)
@@ -114,15 +89,6 @@ def _rank_block_pass(
         if STORE_GRADS:  # this program loaded these gate/up elements just now, and no other reads them
             grad_h_ptrs = Grad_h_ptr + rows[None, :] * stride_grad_h_m + offs_i[:, None]
             grad_h = tl.load(grad_h_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_TERM:
-                # dh's LoRA term, which an expand-add would have written into grad_h (a read and a
-                # write of [M, I]) before this kernel read it: all ranks, in registers, rounded as there.
-                term = _dh_lora_term(
-                    Left_ptr, Right_ptr, rows, mask_m, offs_i, mask_i, R,
-                    stride_lm, stride_lr, stride_ri, stride_rr,
-                    BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R, TERM_PRECISION=TERM_PRECISION,
-                )  # fmt: skip
-                grad_h = (grad_h + scale * term).to(Grad_h_ptr.dtype.element_ty).to(tl.float32)
             tl.store(gate_ptrs, (grad_h * up * dact).to(Gate_ptr.dtype.element_ty), mask=mask)
             tl.store(up_ptrs, (grad_h * act).to(Up_ptr.dtype.element_ty), mask=mask)
         # h as the forward stored it: rounded once to gate's dtype (a no-op for fp32).
@@ -146,18 +112,15 @@ def _rank_block_pass(
 @CachedKernel
 @triton.jit
 def _gated_act_backward_weight_grad_kernel(
-    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Right_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
     M, n_cols, R, scale, rows_per_split, n_splits,
-    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_ri, stride_rr,
-    stride_or, stride_oi,
+    stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_TERM: tl.constexpr, TERM_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """gate, up <- grad_gate, grad_up and Out[R, I] = scale * Left[M, R]^T @ h[M, I] (fp32). One program
     per (BLOCK_I columns, split), split s over rows [s * rows_per_split, ...); with SPLIT the splits
-    meet in `split_total` (fp32 partials laid out like Out, split stride R * I, a counter per tile).
-    With HAS_TERM, dh is `grad_h + scale * Left @ Right^T` (Right: [I, R], lora_A_down.T)."""
+    meet in `split_total` (fp32 partials laid out like Out, split stride R * I, a counter per tile)."""
     pid_i = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -170,22 +133,18 @@ def _gated_act_backward_weight_grad_kernel(
     last_r0 = (R - 1) // BLOCK_R * BLOCK_R
     for r0 in range(0, last_r0, BLOCK_R):
         _rank_block_pass(
-            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Right_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+            Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
             offs_i, mask_i, r0, R, m_start, m_end, scale, pid_s, n_splits, n_cols,
-            stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_ri, stride_rr,
-            stride_or, stride_oi,
+            stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
             ACTIVATION=ACTIVATION, STORE_GRADS=False, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
             DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE, SPLIT=SPLIT,
-            HAS_TERM=HAS_TERM, TERM_PRECISION=TERM_PRECISION,
         )  # fmt: skip
     _rank_block_pass(
-        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Right_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+        Grad_h_ptr, Gate_ptr, Up_ptr, Left_ptr, Out_ptr, Partial_ptr, Counter_ptr,
         offs_i, mask_i, last_r0, R, m_start, m_end, scale, pid_s, n_splits, n_cols,
-        stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_ri, stride_rr,
-        stride_or, stride_oi,
+        stride_grad_h_m, stride_gate_m, stride_up_m, stride_lm, stride_lr, stride_or, stride_oi,
         ACTIVATION=ACTIVATION, STORE_GRADS=True, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_R=BLOCK_R,
         DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE, SPLIT=SPLIT,
-        HAS_TERM=HAS_TERM, TERM_PRECISION=TERM_PRECISION,
     )  # fmt: skip
 
 
@@ -206,7 +165,6 @@ def _gated_act_backward_weight_grad_triton(
     activation: str,
     left: torch.Tensor,
     scale: float,
-    right: torch.Tensor | None = None,
     split: int | None = None,
     block_m: int = 32,
     block_i: int = 64,
@@ -218,7 +176,7 @@ def _gated_act_backward_weight_grad_triton(
     M, n_cols = gate.shape
     R = left.shape[1]
     if M == 0 or n_cols == 0 or R == 0:
-        if R == 0:  # no weight gradient (and no dh term), but gate/up still become their gradients
+        if R == 0:  # no weight gradient, but gate/up still become their gradients
             _gated_act_backward_triton(grad_h, gate, up, activation, in_place=True)
         return torch.zeros((R, n_cols), dtype=torch.float32, device=gate.device)
     grad_h = _unit_column_stride(grad_h)
@@ -238,18 +196,13 @@ def _gated_act_backward_weight_grad_triton(
     tiles = col_tiles * cdiv(R, block_r)
     partial, counters = split_scratch(gate.device, split * R * n_cols, tiles) if split > 1 else (out, out)
     grid = (col_tiles, split)
-    # Without a term, Right is never read: left stands in for its pointer, 0 for its strides.
-    right_ptr, right_strides = (left, (0, 0)) if right is None else (right, right.stride())
     _gated_act_backward_weight_grad_kernel[grid](
-        grad_h, gate, up, left, right_ptr, out, partial, counters,
+        grad_h, gate, up, left, out, partial, counters,
         M, n_cols, R, float(scale), rows_per_split, split,
-        grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1), *right_strides,
-        n_cols, 1,
+        grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1), n_cols, 1,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
         # left is fp32: the split dot for a bf16 h, else 3xTF32 (see dots).
         DOT_PRECISION=dot_precision(left.dtype), DOT_MODE=dot_mode(gate, left), SPLIT=split > 1,
-        # The term rounds into grad_h's dtype as lora_expand_add_ into grad_h would (see dots).
-        HAS_TERM=right is not None, TERM_PRECISION=expand_dot_precision(grad_h.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -261,12 +214,7 @@ def _gated_act_backward_weight_grad_triton(
 
 
 def _check_weight_grad_inputs(
-    grad_h: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    activation: str,
-    left: torch.Tensor,
-    right: Optional[torch.Tensor],
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, left: torch.Tensor
 ) -> None:
     _check_inputs(gate, up, activation, grad_h)
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
@@ -282,18 +230,6 @@ def _check_weight_grad_inputs(
         raise ValueError(f"left: expected dtype {expected} (with a {gate.dtype} gate), got {left.dtype}")
     if left.device != gate.device:
         raise ValueError(f"left: expected device {gate.device} (gate's), got {left.device}")
-    if right is None:
-        return
-    expected_shape = (gate.shape[1], left.shape[1])
-    if right.dim() != 2 or tuple(right.shape) != expected_shape:
-        raise ValueError(
-            f"right: expected a 2-D tensor [I, R] of shape {expected_shape} (gate's columns, left's "
-            f"ranks), got shape {tuple(right.shape)}"
-        )
-    if right.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise ValueError(f"right: expected a float32, bfloat16 or float16 dtype, got {right.dtype}")
-    if right.device != gate.device:
-        raise ValueError(f"right: expected device {gate.device} (gate's), got {right.device}")
 
 
 def gated_act_backward_weight_grad_(
@@ -303,21 +239,15 @@ def gated_act_backward_weight_grad_(
     activation: str,
     left: torch.Tensor,
     scale: float,
-    right: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """In place: gate <- grad_gate, up <- grad_up (as ``gated_act_backward_``); returns
     ``scale * left.T @ h`` [R, I] with ``h = act(gate) * up`` rounded to gate's dtype.
 
-    right: ``[I, R]`` (``lora_A_down.T``), or None. Given, dh is ``grad_h + scale * left @ right.T``
-    (summed in fp32, rounded once to grad_h's dtype, as ``lora_expand_add_`` into grad_h would make
-    it): the down projection's LoRA share of dh, added here instead of by a pass over ``[M, I]``.
-    grad_h itself is not written.
-
     `fastlora::gated_act_backward_weight_grad_` (see the module docstring for shapes and dtypes).
     """
-    if skips_op_dispatch(grad_h, gate, up, left, right):
-        return _gated_act_backward_weight_grad_body(grad_h, gate, up, activation, left, scale, right)
-    return gated_act_backward_weight_grad_op(grad_h, gate, up, activation, left, scale, right)
+    if skips_op_dispatch(grad_h, gate, up, left):
+        return _gated_act_backward_weight_grad_body(grad_h, gate, up, activation, left, scale)
+    return gated_act_backward_weight_grad_op(grad_h, gate, up, activation, left, scale)
 
 
 def _gated_act_backward_weight_grad_body(
@@ -327,15 +257,14 @@ def _gated_act_backward_weight_grad_body(
     activation: str,
     left: torch.Tensor,
     scale: float,
-    right: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _check_weight_grad_inputs(grad_h, gate, up, activation, left, right)
+    _check_weight_grad_inputs(grad_h, gate, up, activation, left)
     if runs_triton(gate):
         return _gated_act_backward_weight_grad_triton(
-            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale, right=right
+            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale
         )
     grad_gate, grad_up, grad_weight = _reference.gated_act_backward_weight_grad(
-        grad_h, gate, up, activation, left, scale, right
+        grad_h, gate, up, activation, left, scale
     )
     gate.copy_(grad_gate)
     up.copy_(grad_up)
@@ -355,7 +284,6 @@ def _(
     activation: str,
     left: torch.Tensor,
     scale: float,
-    right: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _check_weight_grad_inputs(grad_h, gate, up, activation, left, right)
+    _check_weight_grad_inputs(grad_h, gate, up, activation, left)
     return left.new_empty((left.shape[1], gate.shape[1]))

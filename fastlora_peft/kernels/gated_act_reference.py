@@ -12,8 +12,6 @@ Inputs are checked by the public ops.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -70,15 +68,11 @@ def gated_act_backward_weight_grad(
     activation: str,
     left: torch.Tensor,
     scale: float,
-    right: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_gate, grad_up, grad_weight)``: :func:`gated_act_backward`'s two, and
     ``grad_weight = scale * left.T @ h`` [R, I] for left: [M, R] float32 (float64 under gradcheck),
     summed over the M tokens in float32 (float64). h is :func:`gated_act_forward`'s, rounded to gate's
-    dtype, as the forward stored it and the unfused backward reads it. With right ([I, R]) the
-    gradients are those of dh = ``grad_h + scale * left @ right.T``, rounded once to grad_h's dtype."""
-    if right is not None:
-        grad_h = lora_expand_add(grad_h, left, right, scale, grad_h.dtype)
+    dtype, as the forward stored it and the unfused backward reads it."""
     grad_gate, grad_up = gated_act_backward(grad_h, gate, up, activation)
     hidden = gated_act_forward(gate, up, activation)
     grad_weight = scale * (_wide(left).T @ _wide(hidden))
