@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import lora_grads, randomize_lora, rel_err, tiny_llama_config
+from conftest import count_lora_sublayer_calls, lora_grads, randomize_lora, rel_err, tiny_llama_config
 from peft import get_peft_model
 from torch import nn
 
@@ -119,12 +119,33 @@ def test_split_kernels_replayed_from_a_graph_match_eager(split_launches):
     assert_cached_counters_zero()
 
 
-def test_fused_projection_in_make_graphed_callables_matches_eager(split_launches):
+def projection_base(layout: str) -> nn.Module:
+    """One 1024 x 1024 bf16 projection, dense or NF4 (quantized by bitsandbytes on the move to CUDA)."""
+    if layout.startswith("nf4"):
+        import bitsandbytes as bnb
+
+        layer = bnb.nn.Linear4bit(
+            1024, 1024, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", quant_storage=torch.uint8
+        )
+        return nn.Sequential(layer).cuda()
+    return nn.Sequential(nn.Linear(1024, 1024, bias=False)).cuda().bfloat16()
+
+
+# PEFT's default layout (fp32 adapters on a bf16 base), bf16 adapters, and fp32 adapters on NF4 (the
+# dequantize kernel captured too).
+GRAPHED_LAYOUTS = ("bf16-fp32adapters", "bf16-bf16adapters", "nf4-fp32adapters")
+
+
+@pytest.mark.parametrize("layout", GRAPHED_LAYOUTS)
+def test_fused_projection_in_make_graphed_callables_matches_eager(split_launches, layout):
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(1024, 1024, bias=False)).cuda().bfloat16()
+    base = projection_base(layout)
     config = FastLoraConfig(r=16, lora_alpha=32, target_modules=["0"], lora_dropout=0.0)
-    eager = get_peft_model(copy.deepcopy(base), config)  # PEFT's default: fp32 adapters
+    fp32_adapters = layout.endswith("fp32adapters")
+    eager = get_peft_model(copy.deepcopy(base), config, autocast_adapter_dtype=fp32_adapters)
     randomize_lora(eager, seed=1, std=0.05)
+    adapter_dtype = torch.float32 if fp32_adapters else torch.bfloat16
+    assert {p.dtype for n, p in eager.named_parameters() if "lora_" in n} == {adapter_dtype}
     graphed = copy.deepcopy(eager)
     sample = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     graphed_call = torch.cuda.make_graphed_callables(graphed, (sample,))
@@ -136,7 +157,9 @@ def test_fused_projection_in_make_graphed_callables_matches_eager(split_launches
         for name, call, model in (("graphed", graphed_call, graphed), ("eager", eager, eager)):
             model.zero_grad(set_to_none=True)
             x_leaf = x.clone().requires_grad_()
-            out = call(x_leaf)
+            with count_lora_sublayer_calls(model) as sublayer_calls:
+                out = call(x_leaf)
+            assert not sublayer_calls, (name, sublayer_calls)  # the fused path, not PEFT's
             out.backward(grad_out)
             results[name] = (out.detach(), x_leaf.grad, lora_grads(model))
         (out_g, dx_g, grads_g), (out_e, dx_e, grads_e) = results["graphed"], results["eager"]
