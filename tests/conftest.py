@@ -180,19 +180,32 @@ def _kernel_objects() -> dict[str, object]:
 
 
 @pytest.fixture
-def triton_launches(monkeypatch) -> dict[str, int]:
+def triton_launches(monkeypatch) -> Iterator[dict[str, int]]:
     """Counts launches of each of the package's Triton kernels during a test, by kernel name (on a GPU
-    too: the count is taken where every launch passes, cached or not)."""
+    too: every launch passes `CachedKernel.launch` or, from a launcher's plan, `BoundLaunch.__call__`)."""
+    from fastlora_peft.kernels._launch import BoundLaunch
+
     counts: dict[str, int] = {}
-    for name, kernel in _kernel_objects().items():
+
+    def counting_plan_launch(bound, *args):
+        counts[bound.name] = counts.get(bound.name, 0) + 1
+        bound.launch(*args)
+
+    monkeypatch.setattr(BoundLaunch, "__call__", counting_plan_launch)
+    kernels = _kernel_objects().values()
+    for kernel in kernels:
         original_launch = kernel.launch
 
-        def counting_launch(*args, _name=name, _launch=original_launch, **kwargs):
+        def counting_launch(*args, _name=kernel.name, _launch=original_launch, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
             return _launch(*args, **kwargs)
 
-        monkeypatch.setattr(kernel, "launch", counting_launch)
-    return counts
+        # An instance attribute, deleted afterwards: monkeypatch would put the bound method back as
+        # one, and a later test patching `CachedKernel.launch` on the class would never be reached.
+        kernel.launch = counting_launch
+    yield counts
+    for kernel in kernels:
+        del kernel.launch
 
 
 def tiny_llama_config(**overrides):

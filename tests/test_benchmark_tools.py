@@ -35,3 +35,13 @@ def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
     # Alternating order: old first in round 1, new first in round 2.
     lines = [line for line in done.stdout.splitlines() if line.startswith("round")]
     assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
+
+
+def test_plans_ab_times_both_arms_beside_the_floor():
+    command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
+    command += ["--repeats", "1", "--rounds", "1"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("o ")]
+    assert "floor" in line and "plans" in line and "no_plans" in line, line

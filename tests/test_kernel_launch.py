@@ -12,7 +12,7 @@ import torch
 from conftest import _kernel_objects
 
 from fastlora_peft.kernels import lora_terms
-from fastlora_peft.kernels._launch import CachedKernel, _argument_key
+from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans, _argument_key
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -136,6 +136,7 @@ def test_cache_hits_call_the_c_launcher_directly_unless_a_launch_hook_is_registe
     weight = torch.randn(16, 320, device=device, dtype=torch.bfloat16)
     expected = x.float() @ weight.float().T
     cached: CachedKernel = lora_terms._lora_shrink_kernel
+    monkeypatch.setattr(LaunchPlans, "enabled", False)  # every launch through the cache, none from a plan
     monkeypatch.setattr(cached, "compiled", {})
     monkeypatch.setattr(cached, "direct", {})
     lora_terms.lora_shrink(x, weight)  # a miss: Triton's own path compiles (or loads) the kernel

@@ -18,6 +18,7 @@ from conftest import LaunchSpy
 
 from fastlora_peft.kernels import dequant4bit, dequant4bit_reference
 from fastlora_peft.kernels._backend import runs_triton
+from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.dequant4bit import Quant4bitState, dequantize, dequantize_4bit
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -221,6 +222,7 @@ def _both_paths(case: Case) -> tuple[list[torch.Tensor], torch.Tensor]:
 def test_triton_kernel_runs_where_triton_runs(monkeypatch) -> None:
     spy = LaunchSpy(dequant4bit._dequantize_4bit_kernel)
     monkeypatch.setattr(dequant4bit, "_dequantize_4bit_kernel", spy)
+    monkeypatch.setattr(LaunchPlans, "enabled", False)  # through the spied kernel, not an earlier plan
 
     def reference_must_not_run(*args, **kwargs):
         raise AssertionError("the reference ran where the Triton kernel should have")

@@ -244,8 +244,11 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     # precision each launch of the shrink, the weight gradient, the expand-add and the gated kernels
     # gets, so a launcher that stops asking `dot_mode` (a silent 2x slowdown on the GPU) fails here.
     from fastlora_peft.kernels import gated_act_lora, gated_act_lora_forward
-    from fastlora_peft.kernels._launch import CachedKernel
+    from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans
 
+    # What the launchers decide, so every launch through it (a plan would replay an earlier decision;
+    # tests/test_launch_plans.py pins that a planned launch passes what the launcher would).
+    monkeypatch.setattr(LaunchPlans, "enabled", False)
     launches = []
     launch = CachedKernel.launch
     monkeypatch.setattr(
@@ -283,8 +286,9 @@ def test_shrink_copies_a_transposed_fp32_weight_only_for_tf32x3(x_dtype, monkeyp
     # g @ B in every backward of PEFT's default layout reads lora_b.T (fp32, rank dim contiguous).
     # 3xTF32 dots want it copied K-contiguous (3x faster there); the split dot reads it as it is,
     # and a copy would cost one more op's host time per projection.
-    from fastlora_peft.kernels._launch import CachedKernel
+    from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans
 
+    monkeypatch.setattr(LaunchPlans, "enabled", False)  # the launcher's decision, not a plan's replay
     weights = []
     launch = CachedKernel.launch
     monkeypatch.setattr(

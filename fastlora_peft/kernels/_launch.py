@@ -31,6 +31,10 @@ kernel's Python launch wrapper would pass it, when that wrapper would add nothin
 and no launch hook registered (Triton 3.6 keeps an empty hook chain, and its wrapper then still builds
 a metadata dict and the C launcher calls both empty chains, on every launch). Otherwise, or when the
 kernel's launcher is not the CUDA one, the hit goes through ``compiled[grid]`` as before.
+
+Launch plans (`LaunchPlans`, `BoundLaunch`, below) skip the key too: a launcher that meets inputs
+of the same metadata again launches the `BoundLaunch` its first call returned, with the numbers it
+derived then (see `lora_terms` and `dequant4bit`).
 """
 
 from __future__ import annotations
@@ -129,7 +133,11 @@ class CachedKernel:
         """The cache key of a launch on CUDA device `device` (Triton compiles for the current one)."""
         return (device, tuple(meta.items()), *map(_argument_key, args))
 
-    def launch(self, grid: tuple[int, ...], args: Sequence[Any], meta: dict[str, Any]) -> None:
+    def launch(
+        self, grid: tuple[int, ...], args: Sequence[Any], meta: dict[str, Any]
+    ) -> Optional["BoundLaunch"]:
+        """Launches; returns the launch bound to its compiled kernel (`BoundLaunch`), or None under
+        the interpreter, where every call must go through ``kernel[grid]``."""
         if len(args) > self.positional_limit:
             raise TypeError(
                 f"{self.name}: pass its constexpr parameters "
@@ -137,8 +145,9 @@ class CachedKernel:
             )
         if TRITON_INTERPRET:
             self.kernel[grid](*args, **meta)
-            return
-        key = self.key(args, meta, torch.cuda.current_device())
+            return None
+        device = torch.cuda.current_device()
+        key = self.key(args, meta, device)
         compiled = self.compiled.get(key)
         if compiled is None:
             # Triton's own path: specializes, compiles (or loads its cache) and launches; it returns
@@ -148,22 +157,98 @@ class CachedKernel:
                 compiled = compiled.result()
             self.compiled[key] = compiled
             self.direct[key] = _direct_launch(compiled)
-            return
-        # The compiled kernel's launcher wants every parameter in signature order, constexprs included.
-        parameters = (*args, *(meta[name] for name in self.arg_names[len(args) :]))
-        grid_x, grid_y, grid_z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
-        direct = self.direct.get(key)
+            return self.bound(compiled, self.direct[key], grid, args, meta, device)
+        bound = self.bound(compiled, self.direct.get(key), grid, args, meta, device)
+        bound.launch(*args)
+        return bound
+
+    def bound(self, compiled, direct, grid, args, meta, device) -> "BoundLaunch":
+        constexprs = tuple(meta[name] for name in self.arg_names[len(args) :])
+        return BoundLaunch(self.name, compiled, direct, grid, constexprs, device)
+
+
+class BoundLaunch:
+    """One compiled kernel with its grid and constexprs settled: ``bound(*args)`` launches it with new
+    runtime arguments on the current stream.
+
+    For launchers that cache everything they derive from their inputs' shapes, strides, dtypes and
+    alignment (a launch plan): a later call whose arguments have the same `CachedKernel.key` launches
+    the same compiled kernel without recomputing the key (about 17 arguments, the largest share of a
+    launch's host time). The caller is responsible for that sameness, by keying its plan on them.
+    """
+
+    __slots__ = ("name", "compiled", "direct", "grid", "constexprs", "device")
+
+    def __init__(
+        self, name: str, compiled, direct: Optional[_DirectLaunch], grid, constexprs: tuple, device: int
+    ):
+        self.name = name  # the kernel's, for counting launches in tests
+        self.compiled = compiled
+        self.direct = direct
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.constexprs = constexprs
+        self.device = device
+
+    def __call__(self, *args: Any) -> None:
+        """A launch plan's launch (tests count these by `name`)."""
+        self.launch(*args)
+
+    def launch(self, *args: Any) -> None:
+        direct = self.direct
         if direct is None or _launch_hooks_registered():
-            compiled[grid_x, grid_y, grid_z](*parameters)
+            self.compiled[self.grid](*args, *self.constexprs)
             return
-        stream = torch._C._cuda_getCurrentRawStream(key[0])
+        grid_x, grid_y, grid_z = self.grid
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
         # The C launch's arguments as the wrapper passes them: grid, stream, function, cooperative,
         # pdl, the two scratch buffers (none), packed metadata, launch metadata and the two hooks
         # (none: no hook is registered), then the kernel's parameters.
         direct.launch(
             grid_x, grid_y, grid_z, stream, direct.function, direct.cooperative, direct.pdl, None, None,
-            direct.packed_metadata, None, None, None, *parameters,
+            direct.packed_metadata, None, None, None, *args, *self.constexprs,
         )  # fmt: skip
+
+
+def tensor_key(tensor: torch.Tensor) -> tuple:
+    """All of a tensor a launcher's decisions and Triton's specialization can depend on."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.get_device(), tensor.data_ptr() % 16 == 0)
+
+
+class LaunchPlans:
+    """A launcher's launch plans: what it derived from its inputs' metadata (tiles, splits, grid,
+    sizes, strides) and the `BoundLaunch` it made, by that metadata and the current CUDA device.
+
+    A launcher looks its inputs up first and, on a hit, allocates its outputs and launches with the
+    plan's numbers: its own arithmetic and `CachedKernel.key` are skipped. On the H200 machine those
+    were most of a launch's host time (a fused o_proj step makes six launches and was host-bound).
+    The key holds every tensor's shape, strides, dtype, device and 16-byte alignment, and the
+    launcher's other inputs, so a hit is a call the launcher would have made identically.
+    """
+
+    # Distinct shapes seen (e.g. every sequence length of a run without packing); past this many the
+    # plans are dropped and rebuilt as they recur, a miss costing one ordinary launch.
+    MAX_PLANS = 4096
+    # Under the interpreter no launch is bound (`CachedKernel.launch` returns None): nothing to plan.
+    enabled = not TRITON_INTERPRET
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.plans: dict[tuple, Any] = {}
+
+    def key(self, *inputs: Any) -> tuple:
+        device = torch.cuda.current_device()
+        return (device, *[tensor_key(item) if type(item) in _TENSOR_TYPES else item for item in inputs])
+
+    def get(self, key: tuple) -> Any:
+        return self.plans.get(key)
+
+    def add(self, key: tuple, plan: Any) -> None:
+        if len(self.plans) >= self.MAX_PLANS:
+            self.plans.clear()
+        self.plans[key] = plan
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 # Host-side launch arithmetic. Triton 3.6's `triton.cdiv` and `triton.next_power_of_2` are

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import dequant4bit_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import CachedKernel, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bitsandbytes' blocksizes for 4-bit weights. The kernel needs a power of two of at least 2.
@@ -122,6 +122,16 @@ def _dequantize_4bit_triton(
     num_warps: int = 4,
     bf16_by_bits: bool | None = None,
 ) -> torch.Tensor:
+    tensors = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
+    plan_key = None
+    if _DEQUANTIZE_PLANS.enabled:
+        settings = (blocksize, nested_blocksize, rows, cols, out_dtype, elements_per_program, num_warps)
+        plan_key = _DEQUANTIZE_PLANS.key(*tensors, *settings, bf16_by_bits)
+        plan = _DEQUANTIZE_PLANS.get(plan_key)
+        if plan is not None:
+            out = torch.empty((rows, cols), dtype=out_dtype, device=plan.device)
+            plan.launch(*plan.arguments(tensors), out, *plan.sizes)
+            return out
     out = torch.empty((rows, cols), dtype=out_dtype, device=packed.device)
     numel = rows * cols
     if numel == 0:
@@ -147,8 +157,9 @@ def _dequantize_4bit_triton(
     # On a GPU the plain cast (cvt.rn) is right and 10-15% faster than the integer rounding.
     if bf16_by_bits is None:
         bf16_by_bits = packed.device.type != "cuda"
-    _dequantize_4bit_kernel[grid](
-        packed, absmax, code, nested_absmax, nested_code, nested_offset, out,
+    launched = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
+    bound = _dequantize_4bit_kernel[grid](
+        *launched, out,
         numel, (numel + 1) // 2, num_blocks,
         BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize if nested else 1,
         BLOCKS_PER_PROGRAM=blocks_per_program, NESTED=nested,
@@ -156,7 +167,37 @@ def _dequantize_4bit_triton(
         num_warps=num_warps,
         enable_fp_fusion=False,  # bit-exactness: see the nested scale in the kernel
     )  # fmt: skip
+    # Planned only when the kernel read the caller's tensors as they were (the usual case: a
+    # bitsandbytes state is contiguous and of these dtypes) or, when not nested, `code` in the
+    # unused nested slots: a plan then passes the call's own tensors in the same places.
+    sources = tuple(_source_index(tensor, tensors) for tensor in launched)
+    if plan_key is not None and bound is not None and None not in sources:
+        sizes = (numel, (numel + 1) // 2, num_blocks)
+        _DEQUANTIZE_PLANS.add(plan_key, _DequantizePlan(bound, packed.device, sources, sizes))
     return out
+
+
+def _source_index(tensor: torch.Tensor, inputs: tuple) -> int | None:
+    """Which of the caller's tensors `tensor` is, or None for a copy the launcher made."""
+    for index, candidate in enumerate(inputs):
+        if tensor is candidate:
+            return index
+    return None
+
+
+class _DequantizePlan(NamedTuple):
+    """What `_dequantize_4bit_triton` derived from its inputs' metadata, to launch the same again."""
+
+    launch: BoundLaunch
+    device: torch.device
+    sources: tuple[int, ...]  # for each tensor argument, which input of the call it is
+    sizes: tuple[int, ...]  # numel, packed bytes, blocks
+
+    def arguments(self, inputs: tuple) -> list[torch.Tensor]:
+        return [inputs[index] for index in self.sources]
+
+
+_DEQUANTIZE_PLANS = LaunchPlans("dequantize_4bit")
 
 
 # ---------------------------------------------------------------------------------------------------

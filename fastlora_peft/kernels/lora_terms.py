@@ -20,7 +20,7 @@ Each op is a ``torch.library`` custom op with a fake implementation; it runs the
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -28,7 +28,14 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import CachedKernel, cdiv, next_power_of_2
+from fastlora_peft.kernels._launch import (
+    BoundLaunch,
+    CachedKernel,
+    LaunchPlans,
+    cdiv,
+    next_power_of_2,
+    tensor_key,
+)
 from fastlora_peft.kernels.dots import (
     FP32_DOT,
     NATIVE_DOT,
@@ -246,6 +253,14 @@ def _lora_shrink_triton(
     block_k: int | None = None,
     block_r: int | None = None,
 ) -> torch.Tensor:
+    # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
+    plan_key = None
+    defaults = split is None and block_m is None and block_k is None and block_r is None
+    if defaults and _SHRINK_PLANS.enabled:
+        plan_key = _SHRINK_PLANS.key(x, weight)
+        plan = _SHRINK_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_shrink_plan(plan, x, weight, scale)
     M, K = x.shape
     R = weight.shape[0]
     if M == 0 or R == 0 or K == 0:
@@ -260,8 +275,8 @@ def _lora_shrink_triton(
     # `session9/shrink_fp32_b_transposed_scratch.log`), about even over an MLP's three, while the copy
     # is one more op's host time in every projection's backward in PEFT's default layout.
     mode = dot_mode(x, weight)
-    if mode == FP32_DOT and weight.dtype == torch.float32:
-        weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    weight_copied = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
+    weight = weight.contiguous() if weight_copied else weight
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
     block_r = block_r or _rank_block(R, cap=128)
     default_m, default_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
@@ -284,7 +299,7 @@ def _lora_shrink_triton(
         split_scratch(x.device, split * M * R, row_blocks * r_tiles) if split > 1 else (out, out)
     )
     grid = (row_blocks, r_tiles, split)
-    _lora_shrink_kernel[grid](
+    bound = _lora_shrink_kernel[grid](
         x, weight, out, partial, counters,
         M, K, R, k_per_split, split, float(scale),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
@@ -292,6 +307,36 @@ def _lora_shrink_triton(
         DOT_PRECISION=dot_precision(x.dtype, weight.dtype), DOT_MODE=mode, SPLIT=split > 1,
         num_warps=8 if block_r > 64 else 4, num_stages=4,
     )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _SHRINK_PLANS.add(plan_key, _ShrinkPlan(
+            bound, weight_copied, x.device,
+            (R, M), (split * M * R, row_blocks * r_tiles) if split > 1 else None,
+            (M, K, R, k_per_split, split),
+            (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
+        ))  # fmt: skip
+    return out
+
+
+class _ShrinkPlan(NamedTuple):
+    """What `_lora_shrink_triton` derived from its inputs' metadata, to launch the same again."""
+
+    launch: BoundLaunch
+    copy_weight: bool  # the weight was copied to a contiguous one first (its strides below are the copy's)
+    device: torch.device
+    out_shape: tuple[int, int]  # (R, M); the result is its transpose
+    scratch: Optional[tuple[int, int]]  # split_scratch's sizes when the launch splits K
+    sizes: tuple[int, ...]  # M, K, R, k_per_split, n_splits
+    strides: tuple[int, ...]
+
+
+_SHRINK_PLANS = LaunchPlans("lora_shrink")
+
+
+def _run_shrink_plan(plan: _ShrinkPlan, x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    weight = weight.contiguous() if plan.copy_weight else weight
+    out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device).T
+    partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
+    plan.launch(x, weight, out, partial, counters, *plan.sizes, float(scale), *plan.strides)
     return out
 
 
@@ -309,6 +354,15 @@ def _lora_expand_add_triton(
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
+    plan_key = None
+    defaults = block_m is None and block_n is None and block_r is None and num_stages is None
+    if defaults and _EXPAND_ADD_PLANS.enabled:
+        # `out` is base itself (in place), a buffer of the caller's (its metadata in the key) or new.
+        out_key = "base" if out is base else None if out is None else tensor_key(out)
+        plan_key = _EXPAND_ADD_PLANS.key(base, left, right, out_dtype, out_key, num_warps)
+        plan = _EXPAND_ADD_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_expand_add_plan(plan, base, left, right, scale, out)
     M, N = base.shape
     R = left.shape[1]
     # out may be base itself: each program loads its base tile before it stores the same tile.
@@ -317,7 +371,8 @@ def _lora_expand_add_triton(
         return out
     # tl.dot's second operand wants its reduction (rank) dim contiguous: with right = lora_a.T the op
     # took 214us instead of 104us on an H200 (M=8192, N=4096, rank 64), so copy that small adapter.
-    right = right if right.stride(1) == 1 else right.contiguous()
+    right_copied = right.stride(1) != 1
+    right = right.contiguous() if right_copied else right
     block_r = block_r or _rank_block(R, cap=64)
     precision = expand_dot_precision(out_dtype)
     # H200, M=8192, in place (scratch sweep of 36 configs: 32/64/128 x 64/128/256 tiles, 4/8 warps,
@@ -342,7 +397,7 @@ def _lora_expand_add_triton(
         block_m, block_n = block_m or 64, block_n or (128 if block_r <= 16 else 64)
     num_stages = num_stages or 2
     grid = (cdiv(N, block_n), cdiv(M, block_m))
-    _lora_expand_add_kernel[grid](
+    bound = _lora_expand_add_kernel[grid](
         base, left, right, out,
         M, N, R, float(scale),
         base.stride(0), base.stride(1), left.stride(0), left.stride(1),
@@ -351,6 +406,34 @@ def _lora_expand_add_triton(
         DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _EXPAND_ADD_PLANS.add(plan_key, _ExpandAddPlan(
+            bound, right_copied, out_dtype, base.device, (M, N), (M, N, R),
+            (base.stride(0), base.stride(1), left.stride(0), left.stride(1),
+             right.stride(0), right.stride(1), out.stride(0), out.stride(1)),
+        ))  # fmt: skip
+    return out
+
+
+class _ExpandAddPlan(NamedTuple):
+    """What `_lora_expand_add_triton` derived from its inputs' metadata, to launch the same again."""
+
+    launch: BoundLaunch
+    copy_right: bool  # right was copied to a contiguous one first (its strides below are the copy's)
+    out_dtype: torch.dtype
+    device: torch.device
+    out_shape: tuple[int, int]
+    sizes: tuple[int, ...]  # M, N, R
+    strides: tuple[int, ...]
+
+
+_EXPAND_ADD_PLANS = LaunchPlans("lora_expand_add")
+
+
+def _run_expand_add_plan(plan, base, left, right, scale, out) -> torch.Tensor:
+    right = right.contiguous() if plan.copy_right else right
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+    plan.launch(base, left, right, out, *plan.sizes, float(scale), *plan.strides)
     return out
 
 
@@ -374,6 +457,13 @@ def _lora_weight_grad_triton(
     num_warps: int = 8,
     num_stages: int = 3,
 ) -> torch.Tensor:
+    plan_key = None
+    defaults = split is None and block_m is None and block_k == 128 and block_r is None
+    if defaults and num_warps == 8 and num_stages == 3 and _WEIGHT_GRAD_PLANS.enabled:
+        plan_key = _WEIGHT_GRAD_PLANS.key(left, x, k_major, out_dtype)
+        plan = _WEIGHT_GRAD_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_weight_grad_plan(plan, left, x, scale)
     M, R = left.shape
     K = x.shape[1]
     # K-major ([K, R] in memory) when the caller wants the transpose contiguous (dB = result.T).
@@ -383,7 +473,8 @@ def _lora_weight_grad_triton(
         return out.zero_()
     # The kernel wants left's token dim contiguous (see there): 91 vs 116us at rank 64, 157 vs 227us at
     # rank 128 on an H200 (M=8192, K=4096), for a transposed copy of left (M * R * 4 bytes, 2 MB).
-    left = left if left.stride(0) == 1 else left.T.contiguous().T
+    left_copied = left.stride(0) != 1
+    left = left.T.contiguous().T if left_copied else left
     block_r = block_r or _rank_block(R, cap=64)
     # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
     # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. Not retuned for the
@@ -401,7 +492,7 @@ def _lora_weight_grad_triton(
     # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
     partial, counters = split_scratch(x.device, split * R * K, k_tiles * r_tiles) if split > 1 else (out, out)
     grid = (k_tiles, split, r_tiles)
-    _lora_weight_grad_kernel[grid](
+    bound = _lora_weight_grad_kernel[grid](
         left, x, out, partial, counters,
         M, R, K, float(scale), rows_per_split, split,
         left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
@@ -409,6 +500,40 @@ def _lora_weight_grad_triton(
         DOT_PRECISION=dot_precision(left.dtype, x.dtype), DOT_MODE=dot_mode(x, left), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _WEIGHT_GRAD_PLANS.add(plan_key, _WeightGradPlan(
+            bound, left_copied, out_dtype, x.device, k_major, (K, R) if k_major else (R, K),
+            (split * R * K, k_tiles * r_tiles) if split > 1 else None,
+            (M, R, K), (rows_per_split, split),
+            (left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1)),
+        ))  # fmt: skip
+    return out
+
+
+class _WeightGradPlan(NamedTuple):
+    """What `_lora_weight_grad_triton` derived from its inputs' metadata, to launch the same again."""
+
+    launch: BoundLaunch
+    copy_left: bool  # left was copied token-major first (its strides below are the copy's)
+    out_dtype: torch.dtype
+    device: torch.device
+    k_major: bool
+    out_shape: tuple[int, int]  # of the buffer; the result is its transpose when k_major
+    scratch: Optional[tuple[int, int]]
+    sizes: tuple[int, ...]  # M, R, K
+    splits: tuple[int, int]  # rows_per_split, n_splits
+    strides: tuple[int, ...]
+
+
+_WEIGHT_GRAD_PLANS = LaunchPlans("lora_weight_grad")
+
+
+def _run_weight_grad_plan(plan: _WeightGradPlan, left, x, scale) -> torch.Tensor:
+    left = left.T.contiguous().T if plan.copy_left else left
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+    out = out.T if plan.k_major else out
+    partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
+    plan.launch(left, x, out, partial, counters, *plan.sizes, float(scale), *plan.splits, *plan.strides)
     return out
 
 

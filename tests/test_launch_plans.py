@@ -1,0 +1,285 @@
+"""Launch plans (`_launch.LaunchPlans`): a launcher that meets inputs of the same metadata again
+launches from its plan, and must pass the compiled kernel exactly what its own arithmetic would.
+
+On the CPU there is no compiled kernel, so these tests stand one in: every `CachedKernel` of the
+package "has compiled" each key, and its C launch records the arguments it gets instead of running.
+The oracle for a planned launch is the same launcher with plans switched off, on the same inputs.
+A GPU test at the end runs the real kernels from their plans against the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from conftest import _kernel_objects
+
+from fastlora_peft.kernels import _launch, dequant4bit, dequant4bit_reference, lora_terms
+from fastlora_peft.kernels import lora_terms_reference as reference
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class _AlwaysCompiled(dict):
+    """A kernel's cache that holds every key: the value given."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+    def get(self, key, default=None):
+        return self.value
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch) -> list[tuple]:
+    """Every launch's C-launch arguments (grid, stream, function, ..., the kernel's parameters)."""
+    calls: list[tuple] = []
+    direct = _launch._DirectLaunch(lambda *args: calls.append(args), 1234, False, False, "metadata")
+    monkeypatch.setattr(_launch, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(_launch.LaunchPlans, "enabled", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    for kernel in _kernel_objects().values():
+        monkeypatch.setattr(kernel, "compiled", _AlwaysCompiled(object()))
+        monkeypatch.setattr(kernel, "direct", _AlwaysCompiled(direct))
+    all_plans = (lora_terms._SHRINK_PLANS, lora_terms._EXPAND_ADD_PLANS, lora_terms._WEIGHT_GRAD_PLANS)
+    for plans in (*all_plans, dequant4bit._DEQUANTIZE_PLANS):
+        monkeypatch.setattr(plans, "plans", {})
+    return calls
+
+
+def _same_launch(planned: tuple, unplanned: tuple, inputs: list[torch.Tensor]) -> None:
+    """Argument by argument: equal values, the caller's own tensors themselves, and tensors the
+    launcher made (outputs, copies, scratch) alike in shape, strides and dtype."""
+    assert len(planned) == len(unplanned)
+    for index, (got, expected) in enumerate(zip(planned, unplanned)):
+        if isinstance(expected, torch.Tensor):
+            assert isinstance(got, torch.Tensor), index
+            if any(expected is tensor for tensor in inputs):
+                assert got is expected, index
+            else:
+                assert (got.shape, got.stride(), got.dtype) == (
+                    expected.shape,
+                    expected.stride(),
+                    expected.dtype,
+                )
+        else:
+            assert type(got) is type(expected) and got == expected, (index, got, expected)
+
+
+def _planned_and_unplanned(
+    calls: list[tuple], launcher: Callable[..., torch.Tensor], make_inputs: Callable[[int], dict[str, Any]]
+) -> None:
+    """Call 1 makes the plan; call 2 (other values, same metadata) launches from it; call 3 is call 2's
+    inputs with plans off. Calls 2 and 3 must hand the kernel the same arguments."""
+    plans = _launch.LaunchPlans
+    launcher(**make_inputs(0))
+    assert len(calls) == 1
+    second = make_inputs(1)
+    launcher(**second)
+    plans.enabled = False
+    launcher(**second)
+    plans.enabled = True
+    assert len(calls) == 3
+    inputs = [value for value in second.values() if isinstance(value, torch.Tensor)]
+    _same_launch(calls[1], calls[2], inputs)
+    return calls[1]
+
+
+def _floats(launch: tuple) -> list[float]:
+    return [value for value in launch if type(value) is float]
+
+
+def _randn(generator, *shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def _matrix(generator, rows: int, cols: int, dtype, transposed: bool) -> torch.Tensor:
+    """[rows, cols], row-major or (transposed) a view of a [cols, rows] one."""
+    if transposed:
+        return _randn(generator, cols, rows, dtype=dtype).t()
+    return _randn(generator, rows, cols, dtype=dtype)
+
+
+# (M, K, R, x dtype, weight dtype, weight transposed): one split and K split (this CPU counts one
+# SM, so few row blocks split K), fp32 on fp32 (the weight copied contiguous), a rank above one tile.
+SHRINK_CASES = [
+    (33, 70, 16, torch.bfloat16, torch.bfloat16, False),
+    (7, 300, 8, torch.bfloat16, torch.float32, True),
+    (9, 200, 8, torch.float32, torch.float32, True),
+    (64, 96, 5, torch.float16, torch.float32, False),
+    (130, 64, 24, torch.bfloat16, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("case", SHRINK_CASES, ids=str)
+def test_shrink_plan_launches_what_the_launcher_would(recorded_launches, case):
+    M, K, R, x_dtype, weight_dtype, transposed = case
+
+    def make_inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        weight = _matrix(generator, R, K, weight_dtype, transposed)
+        return dict(x=_randn(generator, M, K, dtype=x_dtype), weight=weight, scale=0.5 + seed)
+
+    launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_shrink_triton, make_inputs)
+    assert launch[3] == 77 and launch[4] == 1234  # the current stream, the compiled function
+    assert 1.5 in _floats(launch)  # call 2's own scale, not the plan's first
+
+
+EXPAND_CASES = [
+    # (M, N, R, right transposed, in place)
+    (33, 70, 16, True, True),
+    (9, 40, 3, False, False),
+    (65, 129, 40, True, False),
+]
+
+
+@pytest.mark.parametrize("case", EXPAND_CASES, ids=str)
+def test_expand_add_plan_launches_what_the_launcher_would(recorded_launches, case):
+    M, N, R, transposed, in_place = case
+
+    def make_inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        base = _randn(generator, M, N)
+        right = _matrix(generator, N, R, torch.bfloat16, transposed)
+        inputs = dict(base=base, left=_randn(generator, M, R, dtype=torch.float32), right=right)
+        return dict(inputs, scale=2.0 + seed, out_dtype=torch.bfloat16, out=base if in_place else None)
+
+    launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_expand_add_triton, make_inputs)
+    assert 3.0 in _floats(launch)
+
+
+WEIGHT_GRAD_CASES = [
+    # (M, K, R, k_major, left token-major, out dtype)
+    (600, 70, 16, False, True, torch.float32),
+    (33, 96, 8, True, False, torch.bfloat16),
+    (1100, 64, 24, True, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", WEIGHT_GRAD_CASES, ids=str)
+def test_weight_grad_plan_launches_what_the_launcher_would(recorded_launches, case):
+    M, K, R, k_major, token_major, out_dtype = case
+
+    def make_inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        left = _matrix(generator, M, R, torch.float32, token_major)
+        return dict(
+            left=left, x=_randn(generator, M, K), scale=0.25 + seed, k_major=k_major, out_dtype=out_dtype
+        )
+
+    launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_weight_grad_triton, make_inputs)
+    assert 1.25 in _floats(launch)
+
+
+def _dequantize_inputs(rows: int, cols: int, blocksize: int, nested: bool, absmax_dtype, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    blocks = -(-rows * cols // blocksize)
+    inputs = dict(
+        packed=torch.randint(0, 256, ((rows * cols + 1) // 2,), dtype=torch.uint8, generator=generator),
+        code=dequant4bit_reference.code_for("nf4"),
+        blocksize=blocksize, rows=rows, cols=cols, out_dtype=torch.bfloat16,
+    )  # fmt: skip
+    if nested:
+        inputs.update(
+            absmax=torch.randint(0, 256, (blocks,), dtype=torch.uint8, generator=generator),
+            nested_absmax=torch.rand(-(-blocks // 4), generator=generator) + 0.1,
+            nested_code=torch.linspace(-1, 1, 256),
+            nested_offset=torch.tensor([0.01 * seed]),
+            nested_blocksize=4,
+        )  # fmt: skip
+    else:
+        absmax = (torch.rand(blocks, generator=generator) + 0.1).to(absmax_dtype)
+        inputs.update(absmax=absmax, nested_absmax=None, nested_code=None, nested_offset=None)
+        inputs.update(nested_blocksize=0)
+    return inputs
+
+
+# (rows, cols, blocksize, nested, absmax dtype): fp16 absmax is converted by the launcher, so never planned.
+DEQUANTIZE_CASES = [(7, 64, 64, False, torch.float32), (33, 70, 128, True, torch.uint8)]
+
+
+@pytest.mark.parametrize("case", DEQUANTIZE_CASES, ids=str)
+def test_dequantize_plan_launches_what_the_launcher_would(recorded_launches, case):
+    launch = _planned_and_unplanned(
+        recorded_launches, dequant4bit._dequantize_4bit_triton, lambda seed: _dequantize_inputs(*case, seed)
+    )
+    assert launch[3] == 77
+
+
+def test_dequantize_is_not_planned_when_the_launcher_converts_an_input(recorded_launches):
+    inputs = _dequantize_inputs(7, 64, 64, False, torch.float16, seed=0)
+    dequant4bit._dequantize_4bit_triton(**inputs)
+    assert dequant4bit._DEQUANTIZE_PLANS.plans == {}
+
+
+def test_plans_are_keyed_by_strides_alignment_dtype_and_device(recorded_launches, monkeypatch):
+    """Inputs that differ in anything a launch depends on get their own plan."""
+    storage = torch.randn(70 * 40 + 8).to(torch.bfloat16)
+    weight = torch.randn(16, 40).to(torch.bfloat16)
+    variants = [
+        storage[: 70 * 40].view(70, 40),
+        storage[8 : 8 + 70 * 40].view(70, 40),  # 16 bytes further: aligned, the same plan
+        storage[1 : 1 + 70 * 40].view(70, 40),  # 2 bytes further: not aligned
+        storage[: 70 * 40].view(40, 70).t(),  # column-major
+        storage[: 70 * 40].view(70, 40).float(),  # another dtype
+        storage[: 69 * 40].view(69, 40),  # another shape
+    ]
+    for x in variants:
+        lora_terms._lora_shrink_triton(x=x, weight=weight)
+    assert len(lora_terms._SHRINK_PLANS.plans) == 5
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    lora_terms._lora_shrink_triton(x=variants[0], weight=weight)
+    assert len(lora_terms._SHRINK_PLANS.plans) == 6
+
+
+def test_explicit_tiles_never_use_a_plan(recorded_launches):
+    """Tests and tuners pass tiles of their own: those launches are neither planned nor served by a plan."""
+    x, weight = torch.randn(40, 64).to(torch.bfloat16), torch.randn(16, 64).to(torch.bfloat16)
+    lora_terms._lora_shrink_triton(x=x, weight=weight, block_m=16)
+    assert lora_terms._SHRINK_PLANS.plans == {}
+    lora_terms._lora_shrink_triton(x=x, weight=weight)  # the default tiles: planned
+    lora_terms._lora_shrink_triton(x=x, weight=weight, block_m=16, block_k=32)
+    _launch.LaunchPlans.enabled = False
+    lora_terms._lora_shrink_triton(x=x, weight=weight, block_m=16, block_k=32)
+    _launch.LaunchPlans.enabled = True
+    _same_launch(recorded_launches[2], recorded_launches[3], [x, weight])
+    assert recorded_launches[2][-6:] != recorded_launches[1][-6:]  # other constexprs than the plan's
+
+
+def test_a_full_plan_cache_starts_over(recorded_launches, monkeypatch):
+    monkeypatch.setattr(_launch.LaunchPlans, "MAX_PLANS", 2)
+    weight = torch.randn(16, 32).to(torch.bfloat16)
+    for rows in (3, 4, 5):
+        lora_terms._lora_shrink_triton(x=torch.randn(rows, 32).to(torch.bfloat16), weight=weight)
+    assert len(lora_terms._SHRINK_PLANS.plans) == 1
+
+
+@needs_cuda
+def test_planned_launches_compute_the_reference(triton_launches):
+    """On the GPU: the second call of each op with new values of the same metadata runs from its plan
+    (counted at `BoundLaunch.__call__`) and still computes the reference."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    def assert_near(got, expected, tolerance):
+        error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+        assert error < tolerance, error
+
+    for _ in range(2):
+        x, weight = randn(333, 520), randn(16, 520, dtype=torch.float32)
+        assert_near(lora_terms.lora_shrink(x, weight, 0.5), reference.lora_shrink(x, weight, 0.5), 1e-4)
+        base, left, right = randn(333, 260), 0.1 * randn(333, 16, dtype=torch.float32), randn(16, 260).t()
+        expected = reference.lora_expand_add(base, left, right, 2.0, torch.bfloat16)
+        assert_near(lora_terms.lora_expand_add_(base, left, right, 2.0), expected, 5e-3)  # tf32, bf16 out
+        grad = lora_terms.lora_weight_grad(left, x, 0.25, k_major=True, out_dtype=torch.float32)
+        assert_near(grad, reference.lora_weight_grad(left, x, 0.25), 1e-4)
+    assert lora_terms._SHRINK_PLANS.get(lora_terms._SHRINK_PLANS.key(x, weight)) is not None
+    assert triton_launches["_lora_shrink_kernel"] == 2
+    assert triton_launches["_lora_expand_add_kernel"] == 2
+    assert triton_launches["_lora_weight_grad_kernel"] == 2
