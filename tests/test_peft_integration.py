@@ -369,3 +369,31 @@ def test_report_shows_group_calls_that_ran_member_by_member():
     logits(fast)
     report = {route.name: route for route in fast.fastlora_report()}
     assert "members ran one by one: lora_dropout" in report["model.layers.0.mlp.gate_proj"].group
+
+
+def test_get_base_layer_finds_what_peft_finds():
+    """The layer's faster `get_base_layer` walks to the same module as PEFT's own, through a nested
+    wrapper, and stops where `hasattr` says no (a property that raises) as PEFT's does."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    fast, _ = fast_and_peft()
+    layers = [module for module in fast.modules() if isinstance(module, FastLoraLinear)]
+    assert layers
+    for layer in layers:
+        assert layer.get_base_layer() is BaseTunerLayer.get_base_layer(layer)
+        assert isinstance(layer.get_base_layer(), nn.Linear)
+
+    class Wrapper(nn.Module):  # a base layer that itself wraps one, as nested tuners do
+        def __init__(self, inner):
+            super().__init__()
+            self.base_layer = inner
+
+    class RaisingProperty(nn.Linear):
+        @property
+        def base_layer(self):
+            raise AttributeError("no base layer here")
+
+    layer = layers[0]
+    inner = RaisingProperty(3, 3)
+    layer._modules["base_layer"] = Wrapper(inner)
+    assert layer.get_base_layer() is BaseTunerLayer.get_base_layer(layer) is inner

@@ -55,6 +55,17 @@ def announce_fallback(reason: str, module_count: int, *, fused_only: bool) -> No
     warnings.warn(message, FastLoraFallbackWarning, stacklevel=3)
 
 
+def _module_has_attribute(module: nn.Module, name: str) -> bool:
+    """`hasattr(module, name)` for an `nn.Module`, without raising where the answer is no."""
+    if name in module.__dict__:
+        return True
+    for store in ("_modules", "_parameters", "_buffers"):  # what nn.Module.__getattr__ looks in
+        if name in module.__dict__.get(store, ()):
+            return True
+    # A class attribute (a property may raise AttributeError): only then the real hasattr.
+    return hasattr(type(module), name) and hasattr(module, name)
+
+
 class FusedProjectionMixin:
     """Forward of a LoRA projection through one fused autograd call.
 
@@ -73,6 +84,20 @@ class FusedProjectionMixin:
     def base_compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         raise NotImplementedError
 
+    def get_base_layer(self) -> nn.Module:
+        """PEFT's `get_base_layer` (follow `base_layer` down to the wrapped layer), without its cost.
+
+        PEFT's loop ends on `hasattr(layer, "base_layer")` failing, which goes through
+        `nn.Module.__getattr__` and raises an AttributeError: about 4 us per call on the GPU
+        machine's host, and a fused forward asks for the base layer several times. Here the
+        attribute is looked for where `getattr` on a module would find it; a class attribute (a
+        property, which may raise) still takes the real `hasattr`.
+        """
+        layer = self
+        while _module_has_attribute(layer, "base_layer"):
+            layer = layer.base_layer
+        return layer
+
     # -- the decision -------------------------------------------------------------------------
     def static_blocker(self, adapter_name: str) -> Optional[str]:
         """Why `adapter_name` can never take the fused path on this layer (config-level), or None."""
@@ -86,11 +111,16 @@ class FusedProjectionMixin:
             return "trainable base weight"
         return None
 
-    def fused_blocker(self, forward_kwargs: dict[str, Any]) -> Optional[str]:
-        """Why this call cannot take the fused path, or None: the one predicate of this layer."""
+    def fused_blocker(
+        self, forward_kwargs: dict[str, Any], active: Optional[list[str]] = None
+    ) -> Optional[str]:
+        """Why this call cannot take the fused path, or None: the one predicate of this layer.
+
+        active: `present_active_adapters()` when the caller has it already.
+        """
         if forward_kwargs.get("adapter_names") is not None:
             return "adapter_names (mixed-adapter batch)"
-        active = self.present_active_adapters()
+        active = self.present_active_adapters() if active is None else active
         for adapter_name in active:
             reason = self.static_blocker(adapter_name)
             if reason is not None:
@@ -111,9 +141,10 @@ class FusedProjectionMixin:
             out = group.output_for(self, x, kwargs)
             if out is not None:
                 return out
-        if self.disable_adapters or self.merged or not self.present_active_adapters():
+        active = self.present_active_adapters()
+        if self.disable_adapters or self.merged or not active:
             return super().forward(x, *args, **kwargs)  # the base layer alone, as PEFT runs it
-        reason = self.fused_blocker(kwargs)
+        reason = self.fused_blocker(kwargs, active)
         if reason is not None:
             # Reasons announced at injection are only counted here; any other (a run-time one, or a
             # config-level one that arose later, e.g. a base weight unfrozen after injection) is announced.
@@ -121,7 +152,6 @@ class FusedProjectionMixin:
             self.record_fallback(reason, announce=not already_announced)
             return super().forward(x, *args, **kwargs)
         self.check_input(x)
-        active = self.present_active_adapters()
         plan = self.dtype_plan(x)
         x_lora = self.dropped_input(active[0], x) if len(active) == 1 else None
         (out,) = fused_lora_projections(x, [self.frozen_base()], [self.lora_weights(active)], plan, x_lora)
