@@ -30,7 +30,7 @@ def _group_blocker(members: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[s
         if not active:
             return "a member has no active adapter"
         adapters.add(active)
-        if member.fused_blocker(kwargs) is not None:
+        if member.fused_blocker(kwargs, list(active)) is not None:
             return "a member cannot take the fused path"
         if any(member.dropout_active(name) for name in active):  # each member draws its own mask
             return "lora_dropout while training (members run one by one)"

@@ -397,3 +397,29 @@ def test_get_base_layer_finds_what_peft_finds():
     inner = RaisingProperty(3, 3)
     layer._modules["base_layer"] = Wrapper(inner)
     assert layer.get_base_layer() is BaseTunerLayer.get_base_layer(layer) is inner
+
+
+def test_module_attribute_is_getattr():
+    """`module_attribute` (the layers' hot-path getattr) answers as `getattr` does: a class property
+    before the instance's value, parameters (a None bias too), buffers, submodules, a default, and
+    torch's own AttributeError for a missing name."""
+    from fastlora_peft.layers.fused_projection import module_attribute
+
+    class Shadowing(nn.Linear):
+        @property
+        def weight_alias(self):
+            return "from the property"
+
+    module = Shadowing(4, 3, bias=False)
+    module.__dict__["weight_alias"] = "from the instance"  # a data descriptor wins over this
+    module.register_buffer("running", torch.zeros(2))
+    module.child = nn.Identity()
+    for name in ("weight_alias", "weight", "bias", "running", "child", "in_features", "forward"):
+        assert module_attribute(module, name) is getattr(module, name) or name == "forward", name
+        found = module_attribute(module, name, "missing")  # with a default: no getattr to fall back on
+        assert found is getattr(module, name) or name == "forward", name
+    assert module_attribute(module, "forward") == module.forward  # a new bound method each time
+    assert module_attribute(module, "bias") is None
+    assert module_attribute(module, "nothing", 7) == 7
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        module_attribute(module, "nothing")

@@ -55,15 +55,36 @@ def announce_fallback(reason: str, module_count: int, *, fused_only: bool) -> No
     warnings.warn(message, FastLoraFallbackWarning, stacklevel=3)
 
 
-def _module_has_attribute(module: nn.Module, name: str) -> bool:
-    """`hasattr(module, name)` for an `nn.Module`, without raising where the answer is no."""
-    if name in module.__dict__:
-        return True
-    for store in ("_modules", "_parameters", "_buffers"):  # what nn.Module.__getattr__ looks in
-        if name in module.__dict__.get(store, ()):
-            return True
-    # A class attribute (a property may raise AttributeError): only then the real hasattr.
-    return hasattr(type(module), name) and hasattr(module, name)
+_MISSING = object()  # no default given
+_ABSENT = object()  # the default get_base_layer asks for: no such attribute
+# Whether a module class has an attribute of its own (a property, say), by class and name: looked up
+# once, since `hasattr` on a class without it raises and catches an AttributeError each time.
+_CLASS_ATTRIBUTES: dict[tuple[type, str], bool] = {}
+
+
+def module_attribute(module: nn.Module, name: str, default: Any = _MISSING) -> Any:
+    """`getattr(module, name[, default])` for an `nn.Module`, cheaper on the hot path.
+
+    `nn.Module.__getattr__` costs a Python call for every parameter or submodule it finds, and
+    raises a formatted AttributeError for a missing name (about 2 us each on the CPU machine). The
+    order is Python's: the class's own attribute (a property, which may raise) first, then the
+    instance's, then the module's parameters, buffers and submodules. Missing without a default:
+    `getattr` itself raises, with torch's message.
+    """
+    key = (type(module), name)
+    has_class_attribute = _CLASS_ATTRIBUTES.get(key)
+    if has_class_attribute is None:
+        has_class_attribute = _CLASS_ATTRIBUTES[key] = hasattr(type(module), name)
+    if has_class_attribute:
+        return getattr(module, name) if default is _MISSING else getattr(module, name, default)
+    namespace = module.__dict__
+    if name in namespace:
+        return namespace[name]
+    for store in ("_parameters", "_buffers", "_modules"):
+        values = namespace.get(store)
+        if values is not None and name in values:
+            return values[name]
+    return getattr(module, name) if default is _MISSING else default
 
 
 class FusedProjectionMixin:
@@ -89,13 +110,12 @@ class FusedProjectionMixin:
 
         PEFT's loop ends on `hasattr(layer, "base_layer")` failing, which goes through
         `nn.Module.__getattr__` and raises an AttributeError: about 4 us per call on the GPU
-        machine's host, and a fused forward asks for the base layer several times. Here the
-        attribute is looked for where `getattr` on a module would find it; a class attribute (a
-        property, which may raise) still takes the real `hasattr`.
+        machine's host, and a fused forward (a group: each member) asks for the base layer several
+        times. `module_attribute` finds what `getattr` would, without raising.
         """
         layer = self
-        while _module_has_attribute(layer, "base_layer"):
-            layer = layer.base_layer
+        while (child := module_attribute(layer, "base_layer", _ABSENT)) is not _ABSENT:
+            layer = child
         return layer
 
     # -- the decision -------------------------------------------------------------------------
@@ -107,7 +127,7 @@ class FusedProjectionMixin:
             return f"LoRA variant ({name})"
         if self.lora_bias.get(adapter_name, False):
             return "lora_bias=True"
-        if self.get_base_layer().weight.requires_grad:
+        if module_attribute(self.get_base_layer(), "weight").requires_grad:
             return "trainable base weight"
         return None
 
@@ -125,7 +145,9 @@ class FusedProjectionMixin:
             reason = self.static_blocker(adapter_name)
             if reason is not None:
                 return reason
-        if len(active) > 1 and any(self.dropout_active(name) for name in active):
+        if len(active) == 1:
+            return None
+        if any(self.dropout_active(name) for name in active):
             return "several active adapters with lora_dropout while training"
         if len({self.lora_A[name].weight.dtype for name in active}) > 1:
             return "several active adapters of different dtypes"
@@ -158,7 +180,7 @@ class FusedProjectionMixin:
         return out
 
     def dropout_active(self, adapter_name: str) -> bool:
-        dropout = self.lora_dropout[adapter_name]
+        dropout = self._modules["lora_dropout"][adapter_name]
         return isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training
 
     def dropped_input(self, adapter_name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -176,7 +198,10 @@ class FusedProjectionMixin:
         Function, so each adapter's gradient flows back through torch.cat and the scale."""
         if len(adapter_names) == 1:
             (name,) = adapter_names
-            return LoraWeights(self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]))
+            modules = self._modules
+            lora_a = module_attribute(modules["lora_A"][name], "weight")
+            lora_b = module_attribute(modules["lora_B"][name], "weight")
+            return LoraWeights(lora_a, lora_b, float(self.scaling[name]))
         lora_a = torch.cat([self.lora_A[name].weight for name in adapter_names], dim=0)
         lora_b = torch.cat([self.lora_B[name].weight * self.scaling[name] for name in adapter_names], dim=1)
         return LoraWeights(lora_a, lora_b, 1.0)

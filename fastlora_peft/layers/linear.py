@@ -11,7 +11,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..functions.frozen_base import FrozenBase
-from .fused_projection import FusedProjectionMixin
+from .fused_projection import FusedProjectionMixin, module_attribute
 
 _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -21,10 +21,10 @@ class FastLoraLinear(FusedProjectionMixin, PeftLoraLinear):
 
     def frozen_base(self) -> FrozenBase:
         base = self.get_base_layer()
-        return FrozenBase(base.weight, base.bias, None)
+        return FrozenBase(module_attribute(base, "weight"), module_attribute(base, "bias"), None)
 
     def base_compute_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return self.get_base_layer().weight.dtype
+        return module_attribute(self.get_base_layer(), "weight").dtype
 
     def __repr__(self) -> str:
         return "fastlora." + super().__repr__()
