@@ -233,6 +233,16 @@ def test_plans_are_keyed_by_strides_alignment_dtype_and_device(recorded_launches
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     lora_terms._lora_shrink_triton(x=variants[0], weight=weight)
     assert len(lora_terms._SHRINK_PLANS.plans) == 6
+    # A Parameter subclass (bitsandbytes' are) is keyed by its metadata too: a key holding the
+    # tensor itself would keep it alive, and match nothing else.
+    lora_terms._lora_shrink_triton(x=variants[0], weight=_Weight(weight))
+    assert len(lora_terms._SHRINK_PLANS.plans) == 6
+    for key in lora_terms._SHRINK_PLANS.plans:
+        assert not any(isinstance(part, torch.Tensor) for part in key), key
+
+
+class _Weight(torch.nn.Parameter):
+    """A Parameter subclass, as quantization libraries make."""
 
 
 def test_explicit_tiles_never_use_a_plan(recorded_launches):

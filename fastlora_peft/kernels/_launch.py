@@ -237,7 +237,7 @@ class LaunchPlans:
 
     def key(self, *inputs: Any) -> tuple:
         device = torch.cuda.current_device()
-        return (device, *[tensor_key(item) if type(item) in _TENSOR_TYPES else item for item in inputs])
+        return (device, *map(_key_part, inputs))
 
     def get(self, key: tuple) -> Any:
         return self.plans.get(key)
@@ -248,7 +248,16 @@ class LaunchPlans:
         self.plans[key] = plan
 
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Launcher arguments taken into a key as they are (tested first: `isinstance(x, torch.Tensor)` on a
+# non-tensor goes through torch's metaclass check).
+_PLAIN_KEY_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype})
+
+
+def _key_part(item: Any) -> Any:
+    """A tensor by its metadata (any tensor type: a key must never hold, and keep alive, a tensor)."""
+    if type(item) in _PLAIN_KEY_TYPES:
+        return item
+    return tensor_key(item) if isinstance(item, torch.Tensor) else item
 
 
 # Host-side launch arithmetic. Triton 3.6's `triton.cdiv` and `triton.next_power_of_2` are
