@@ -71,9 +71,9 @@ def _same_launch(planned: tuple, unplanned: tuple, inputs: list[torch.Tensor]) -
 
 def _planned_and_unplanned(
     calls: list[tuple], launcher: Callable[..., torch.Tensor], make_inputs: Callable[[int], dict[str, Any]]
-) -> None:
+) -> tuple:
     """Call 1 makes the plan; call 2 (other values, same metadata) launches from it; call 3 is call 2's
-    inputs with plans off. Calls 2 and 3 must hand the kernel the same arguments."""
+    inputs with plans off. Calls 2 and 3 must hand the kernel the same arguments; returns call 2's."""
     plans = _launch.LaunchPlans
     launcher(**make_inputs(0))
     assert len(calls) == 1
