@@ -32,6 +32,9 @@ class _AlwaysCompiled(dict):
         return self.value
 
 
+_THROUGH_CACHE: list[str] = []
+
+
 @pytest.fixture
 def recorded_launches(monkeypatch) -> list[tuple]:
     """Every launch's C-launch arguments (grid, stream, function, ..., the kernel's parameters)."""
@@ -44,6 +47,16 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     for kernel in _kernel_objects().values():
         monkeypatch.setattr(kernel, "compiled", _AlwaysCompiled(object()))
         monkeypatch.setattr(kernel, "direct", _AlwaysCompiled(direct))
+    # Launches that went through `CachedKernel.launch` (the launcher's own path), not a plan.
+    through_cache = _THROUGH_CACHE
+    through_cache.clear()
+    cached_launch = _launch.CachedKernel.launch
+
+    def counting_launch(self, grid, args, meta):
+        through_cache.append(self.name)
+        return cached_launch(self, grid, args, meta)
+
+    monkeypatch.setattr(_launch.CachedKernel, "launch", counting_launch)
     all_plans = (lora_terms._SHRINK_PLANS, lora_terms._EXPAND_ADD_PLANS, lora_terms._WEIGHT_GRAD_PLANS)
     for plans in (*all_plans, dequant4bit._DEQUANTIZE_PLANS):
         monkeypatch.setattr(plans, "plans", {})
@@ -76,9 +89,10 @@ def _planned_and_unplanned(
     inputs with plans off. Calls 2 and 3 must hand the kernel the same arguments; returns call 2's."""
     plans = _launch.LaunchPlans
     launcher(**make_inputs(0))
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(_THROUGH_CACHE) == 1
     second = make_inputs(1)
     launcher(**second)
+    assert len(_THROUGH_CACHE) == 1, "call 2 did not launch from the plan"
     plans.enabled = False
     launcher(**second)
     plans.enabled = True
