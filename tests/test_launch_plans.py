@@ -15,7 +15,15 @@ import pytest
 import torch
 from conftest import _kernel_objects
 
-from fastlora_peft.kernels import _launch, dequant4bit, dequant4bit_reference, lora_terms
+from fastlora_peft.kernels import (
+    _launch,
+    dequant4bit,
+    dequant4bit_reference,
+    gated_act_lora,
+    gated_act_reference,
+    lora_terms,
+)
+from fastlora_peft.kernels import gated_act_lora_forward as gated_forward
 from fastlora_peft.kernels import lora_terms_reference as reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -58,7 +66,8 @@ def recorded_launches(monkeypatch) -> list[tuple]:
 
     monkeypatch.setattr(_launch.CachedKernel, "launch", counting_launch)
     all_plans = (lora_terms._SHRINK_PLANS, lora_terms._EXPAND_ADD_PLANS, lora_terms._WEIGHT_GRAD_PLANS)
-    for plans in (*all_plans, dequant4bit._DEQUANTIZE_PLANS):
+    gated_plans = (gated_forward._FORWARD_PLANS, gated_act_lora._WEIGHT_GRAD_PLANS)
+    for plans in (*all_plans, *gated_plans, dequant4bit._DEQUANTIZE_PLANS):
         monkeypatch.setattr(plans, "plans", {})
     return calls
 
@@ -188,6 +197,62 @@ def test_weight_grad_plan_launches_what_the_launcher_would(recorded_launches, ca
     assert 1.25 in _floats(launch)
 
 
+# (M, I, gate rank, up rank, rights transposed, gate and up the halves of one [M, 2I] tensor, activation)
+GATED_FORWARD_CASES = [
+    (33, 70, 16, 16, False, True, "silu"),
+    (9, 40, 3, 8, True, False, "gelu_tanh"),
+]
+
+
+@pytest.mark.parametrize("case", GATED_FORWARD_CASES, ids=str)
+def test_gated_forward_plan_launches_what_the_launcher_would(recorded_launches, case):
+    M, cols, gate_rank, up_rank, transposed, halves, activation = case
+
+    def make_inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        if halves:
+            gate_up = _randn(generator, M, 2 * cols)
+            gate, up = gate_up[:, :cols], gate_up[:, cols:]
+        else:
+            gate, up = _randn(generator, M, cols), _randn(generator, M, cols)
+        return dict(
+            gate=gate, up=up, activation=activation,
+            gate_left=_randn(generator, M, gate_rank, dtype=torch.float32),
+            gate_right=_matrix(generator, cols, gate_rank, torch.float32, transposed), gate_scale=2.0 + seed,
+            up_left=_randn(generator, M, up_rank, dtype=torch.float32),
+            up_right=_matrix(generator, cols, up_rank, torch.bfloat16, transposed), up_scale=0.5 + seed,
+        )  # fmt: skip
+
+    launch = _planned_and_unplanned(
+        recorded_launches, gated_forward._gated_act_lora_forward_triton, make_inputs
+    )
+    assert 3.0 in _floats(launch) and 1.5 in _floats(launch)  # call 2's own scales
+
+
+# (M, cols, R, left token-major, grad_h transposed): rows split (this CPU counts one SM) or not, copies.
+GATED_WEIGHT_GRAD_CASES = [
+    (1100, 40, 16, True, False, "silu"),  # one column tile: the rows split in two
+    (33, 70, 5, False, True, "gelu_tanh"),
+]
+
+
+@pytest.mark.parametrize("case", GATED_WEIGHT_GRAD_CASES, ids=str)
+def test_gated_weight_grad_plan_launches_what_the_launcher_would(recorded_launches, case):
+    M, cols, R, token_major, grad_transposed, activation = case
+
+    def make_inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return dict(
+            grad_h=_matrix(generator, M, cols, torch.bfloat16, grad_transposed),
+            gate=_randn(generator, M, cols), up=_randn(generator, M, cols), activation=activation,
+            left=_matrix(generator, M, R, torch.float32, token_major), scale=0.25 + seed,
+        )  # fmt: skip
+
+    launcher = gated_act_lora._gated_act_backward_weight_grad_triton
+    launch = _planned_and_unplanned(recorded_launches, launcher, make_inputs)
+    assert 1.25 in _floats(launch)
+
+
 def _dequantize_inputs(rows: int, cols: int, blocksize: int, nested: bool, absmax_dtype, seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     blocks = -(-rows * cols // blocksize)
@@ -284,26 +349,57 @@ def test_a_full_plan_cache_starts_over(recorded_launches, monkeypatch):
 @needs_cuda
 def test_planned_launches_compute_the_reference(triton_launches):
     """On the GPU: the second call of each op with new values of the same metadata runs from its plan
-    (counted at `BoundLaunch.__call__`) and still computes the reference."""
+    (counted at `BoundLaunch.__call__`) and still computes the reference. Relative errors the H200
+    showed (printed with -s; `docs/benchmarks/session13/gpu_tests_gated_plans.log`), and the bounds:
+    shrink 9.2e-8, weight grad 9.3e-8 and the gated dA 1.5e-7, bound 1e-6 (fp32-accurate dots against
+    float64, the gated dA against an fp32 sum over the same bf16 h); expand-add 1.0e-3 and the gated
+    forward up to 1.4e-3, bound 5e-3 (tf32 terms rounded into bf16 outputs, against a reference that
+    rounds an fp32 sum once); the gated gate/up gradients 8.7e-8 and 0, bound 1e-5 (bf16 results of
+    elementwise math, against the reference's own bf16 rounding)."""
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
+    errors: dict[str, float] = {}
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=generator, device=device).to(dtype)
 
-    def assert_near(got, expected, tolerance):
-        error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
-        assert error < tolerance, error
+    def assert_near(name, got, expected, tolerance):
+        error = ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+        errors[name] = max(errors.get(name, 0.0), error)
+        assert error < tolerance, (name, error)
 
     for _ in range(2):
         x, weight = randn(333, 520), randn(16, 520, dtype=torch.float32)
-        assert_near(lora_terms.lora_shrink(x, weight, 0.5), reference.lora_shrink(x, weight, 0.5), 1e-4)
+        shrink = lora_terms.lora_shrink(x, weight, 0.5)
+        assert_near("shrink", shrink, reference.lora_shrink(x.double(), weight.double(), 0.5), 1e-6)
         base, left, right = randn(333, 260), 0.1 * randn(333, 16, dtype=torch.float32), randn(16, 260).t()
         expected = reference.lora_expand_add(base, left, right, 2.0, torch.bfloat16)
-        assert_near(lora_terms.lora_expand_add_(base, left, right, 2.0), expected, 5e-3)  # tf32, bf16 out
+        assert_near("expand_add", lora_terms.lora_expand_add_(base, left, right, 2.0), expected, 5e-3)
         grad = lora_terms.lora_weight_grad(left, x, 0.25, k_major=True, out_dtype=torch.float32)
-        assert_near(grad, reference.lora_weight_grad(left, x, 0.25), 1e-4)
+        expected = reference.lora_weight_grad(left.double(), x.double(), 0.25)
+        assert_near("weight_grad", grad, expected, 1e-6)
+        gate_up, gate_right, up_right = (
+            randn(333, 2 * 260),
+            randn(260, 16),
+            randn(260, 16, dtype=torch.float32),
+        )
+        gate, up = gate_up[:, :260], gate_up[:, 260:]
+        terms = (left, gate_right, 2.0, 0.5 * left, up_right, 0.5)
+        expected = gated_act_reference.gated_act_lora_forward(gate, up, "silu", *terms)
+        hidden = gated_forward.gated_act_lora_forward_(gate, up, "silu", *terms)
+        for name, got, want in zip(("forward gate", "forward up", "forward h"), (gate, up, hidden), expected):
+            assert_near(name, got, want, 5e-3)
+        grad_h, gate, up = randn(333, 260), randn(333, 260), randn(333, 260)
+        # h rounded to bf16 as the kernel rounds it: the reference's fp32 sum over the same h.
+        expected = gated_act_reference.gated_act_backward_weight_grad(grad_h, gate, up, "silu", left, 0.25)
+        grad_weight = gated_act_lora.gated_act_backward_weight_grad_(grad_h, gate, up, "silu", left, 0.25)
+        names = ("backward gate", "backward up", "backward dA")
+        for name, got, want, tolerance in zip(names, (gate, up, grad_weight), expected, (1e-5, 1e-5, 1e-6)):
+            assert_near(name, got, want, tolerance)
+    print("relative errors against the references:", {name: f"{error:.2e}" for name, error in errors.items()})
     assert lora_terms._SHRINK_PLANS.get(lora_terms._SHRINK_PLANS.key(x, weight)) is not None
-    assert triton_launches["_lora_shrink_kernel"] == 2
-    assert triton_launches["_lora_expand_add_kernel"] == 2
-    assert triton_launches["_lora_weight_grad_kernel"] == 2
+    for kernel in (
+        "_lora_shrink_kernel", "_lora_expand_add_kernel", "_lora_weight_grad_kernel",
+        "_gated_act_lora_forward_kernel", "_gated_act_backward_weight_grad_kernel",
+    ):  # fmt: skip
+        assert triton_launches[kernel] == 2, kernel

@@ -26,13 +26,15 @@ reference (:func:`.gated_act_reference.gated_act_backward_weight_grad`) otherwis
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from ._launch import CachedKernel, cdiv
+from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
 from .dots import activation_dot, dot_mode, dot_precision
 from .gated_act import (
     _activation_and_derivative,
@@ -173,6 +175,14 @@ def _gated_act_backward_weight_grad_triton(
     num_stages: int = 2,
     split_per_sm: int = 2,
 ) -> torch.Tensor:
+    # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
+    plan_key = None
+    defaults = split is None and block_m == 32 and block_i == 64 and block_r is None
+    if defaults and (num_warps, num_stages, split_per_sm) == (4, 2, 2) and _WEIGHT_GRAD_PLANS.enabled:
+        plan_key = _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left)
+        plan = _WEIGHT_GRAD_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)
     M, n_cols = gate.shape
     R = left.shape[1]
     if M == 0 or n_cols == 0 or R == 0:
@@ -182,7 +192,8 @@ def _gated_act_backward_weight_grad_triton(
     grad_h = _unit_column_stride(grad_h)
     # Left's token dim contiguous, as lora_terms' weight grad wants it: M * R * 4 bytes, 0.5 MB for
     # a 2048-row chunk at rank 64.
-    left = left if left.stride(0) == 1 else left.T.contiguous().T
+    copy_left = left.stride(0) != 1
+    left = left.T.contiguous().T if copy_left else left
     block_r = block_r or _rank_block(R, cap=64)
     col_tiles = cdiv(n_cols, block_i)
     if split is None:
@@ -196,14 +207,49 @@ def _gated_act_backward_weight_grad_triton(
     tiles = col_tiles * cdiv(R, block_r)
     partial, counters = split_scratch(gate.device, split * R * n_cols, tiles) if split > 1 else (out, out)
     grid = (col_tiles, split)
-    _gated_act_backward_weight_grad_kernel[grid](
+    strides = (grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1), n_cols, 1)
+    bound = _gated_act_backward_weight_grad_kernel[grid](
         grad_h, gate, up, left, out, partial, counters,
-        M, n_cols, R, float(scale), rows_per_split, split,
-        grad_h.stride(0), gate.stride(0), up.stride(0), left.stride(0), left.stride(1), n_cols, 1,
+        M, n_cols, R, float(scale), rows_per_split, split, *strides,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
         # left is fp32: the split dot for a bf16 h, else 3xTF32 (see dots).
         DOT_PRECISION=dot_precision(left.dtype), DOT_MODE=dot_mode(gate, left), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _WEIGHT_GRAD_PLANS.add(plan_key, _WeightGradPlan(
+            bound, copy_left, gate.device, (R, n_cols), (split * R * n_cols, tiles) if split > 1 else None,
+            (M, n_cols, R), (rows_per_split, split), strides,
+        ))  # fmt: skip
+    return out
+
+
+class _WeightGradPlan(NamedTuple):
+    """What `_gated_act_backward_weight_grad_triton` derived from its inputs' metadata, to launch the
+    same again (see `_launch.LaunchPlans`: the MLP launches this once per chunk, every step)."""
+
+    launch: BoundLaunch
+    copy_left: bool  # left was copied token-major first (its strides below are the copy's)
+    device: torch.device
+    out_shape: tuple[int, int]  # R, n_cols
+    scratch: Optional[tuple[int, int]]  # split_scratch's sizes when the rows are split
+    sizes: tuple[int, int, int]  # M, n_cols, R
+    splits: tuple[int, int]  # rows_per_split, n_splits
+    strides: tuple[int, ...]
+
+
+_WEIGHT_GRAD_PLANS = LaunchPlans("gated_act_backward_weight_grad_")
+
+
+def _run_weight_grad_plan(plan: _WeightGradPlan, grad_h, gate, up, left, scale) -> torch.Tensor:
+    grad_h = _unit_column_stride(grad_h)  # as the launcher does: the key holds grad_h's strides
+    left = left.T.contiguous().T if plan.copy_left else left
+    out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device)
+    partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
+    M, n_cols, R = plan.sizes
+    plan.launch(
+        grad_h, gate, up, left, out, partial, counters,
+        M, n_cols, R, float(scale), *plan.splits, *plan.strides,
     )  # fmt: skip
     return out
 

@@ -24,13 +24,15 @@ reference (:func:`.gated_act_reference.gated_act_lora_forward`) otherwise.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from ._launch import CachedKernel, cdiv
+from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
 from .dots import expand_dot_precision
 from .gated_act import _activation_and_derivative, _check_inputs
 from .lora_terms import _rank_block, expand_term
@@ -114,14 +116,25 @@ def _gated_act_lora_forward_triton(
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
+    # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
+    plan_key = None
+    defaults = block_m == 64 and block_i == 64 and block_r is None and num_stages is None
+    if defaults and num_warps == 4 and _FORWARD_PLANS.enabled:
+        plan_key = _FORWARD_PLANS.key(gate, up, activation, gate_left, gate_right, up_left, up_right)
+        plan = _FORWARD_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_forward_plan(
+                plan, gate, up, gate_left, gate_right, gate_scale, up_left, up_right, up_scale
+            )
     M, n_cols = gate.shape
     h = torch.empty((M, n_cols), dtype=gate.dtype, device=gate.device)
     if h.numel() == 0:
         return h
     # tl.dot's second operand wants its rank dim contiguous (see lora_expand_add): lora_B and the
     # halves of a gate_up lora_B already are.
-    gate_right = gate_right if gate_right.stride(1) == 1 else gate_right.contiguous()
-    up_right = up_right if up_right.stride(1) == 1 else up_right.contiguous()
+    copy_gate_right, copy_up_right = gate_right.stride(1) != 1, up_right.stride(1) != 1
+    gate_right = gate_right.contiguous() if copy_gate_right else gate_right
+    up_right = up_right.contiguous() if copy_up_right else up_right
     precision = expand_dot_precision(gate.dtype)
     gate_rank, up_rank = gate_left.shape[1], up_left.shape[1]
     block_rg = block_r or _rank_block(gate_rank, cap=64)
@@ -134,15 +147,52 @@ def _gated_act_lora_forward_triton(
     # and 64 x 128) took 111 and 124us here.
     num_stages = num_stages or (1 if precision == "tf32" else 2)
     grid = (cdiv(n_cols, block_i), cdiv(M, block_m))
-    _gated_act_lora_forward_kernel[grid](
-        gate, up, h, gate_left, gate_right, up_left, up_right,
-        M, n_cols, gate_rank, up_rank, float(gate_scale), float(up_scale),
+    strides = (
         gate.stride(0), up.stride(0), h.stride(0),
         gate_left.stride(0), gate_left.stride(1), gate_right.stride(0), gate_right.stride(1),
         up_left.stride(0), up_left.stride(1), up_right.stride(0), up_right.stride(1),
+    )  # fmt: skip
+    bound = _gated_act_lora_forward_kernel[grid](
+        gate, up, h, gate_left, gate_right, up_left, up_right,
+        M, n_cols, gate_rank, up_rank, float(gate_scale), float(up_scale), *strides,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_RG=block_rg, BLOCK_RU=block_ru,
         DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _FORWARD_PLANS.add(plan_key, _ForwardPlan(
+            bound, copy_gate_right, copy_up_right, h.dtype, h.device, (M, n_cols), (gate_rank, up_rank),
+            strides,
+        ))  # fmt: skip
+    return h
+
+
+class _ForwardPlan(NamedTuple):
+    """What `_gated_act_lora_forward_triton` derived from its inputs' metadata, to launch the same again
+    (see `_launch.LaunchPlans`: the MLP launches this once per chunk of every block, every step)."""
+
+    launch: BoundLaunch
+    copy_gate_right: bool  # gate_right was copied contiguous first (its strides below are the copy's)
+    copy_up_right: bool
+    dtype: torch.dtype  # h's: gate's
+    device: torch.device
+    shape: tuple[int, int]  # M, n_cols (gate's, up's and h's)
+    ranks: tuple[int, int]  # gate_rank, up_rank
+    strides: tuple[int, ...]
+
+
+_FORWARD_PLANS = LaunchPlans("gated_act_lora_forward_")
+
+
+def _run_forward_plan(
+    plan: _ForwardPlan, gate, up, gate_left, gate_right, gate_scale, up_left, up_right, up_scale
+):
+    gate_right = gate_right.contiguous() if plan.copy_gate_right else gate_right
+    up_right = up_right.contiguous() if plan.copy_up_right else up_right
+    h = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
+    plan.launch(
+        gate, up, h, gate_left, gate_right, up_left, up_right,
+        *plan.shape, *plan.ranks, float(gate_scale), float(up_scale), *plan.strides,
     )  # fmt: skip
     return h
 
