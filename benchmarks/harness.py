@@ -113,6 +113,12 @@ def time_side_by_side(
 ) -> dict[str, Timing]:
     """Times every step in turn, `rounds` times over, so a drift of clocks or temperature hits all alike.
 
+    Every other round runs the steps in reverse order. Under sustained load the H200's power cap
+    lowers its clock within a second ("The GPU's clock" in docs/benchmarks.md), so in a fixed order
+    the first step (the floor, right after the models were built and the GPU idled) ran at a higher
+    clock than the fastlora steps that follow PEFT's. Each step's own iterations stay back to back,
+    so a host-bound step still starts on its own launch queue and shows its host time.
+
     Warm-up is by iterations, not milliseconds: the first calls compile and autotune Triton kernels
     and create cuBLAS handles, which must stay out of the numbers whatever they cost.
     """
@@ -121,10 +127,15 @@ def time_side_by_side(
             run_once(step)
     clock.synchronize()
     samples: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            samples[name].append(_time_iterations(step, clock, repeats))
+    for round_index in range(rounds):
+        for name in round_order(list(steps), round_index):
+            samples[name].append(_time_iterations(steps[name], clock, repeats))
     return {name: _summarize(per_round) for name, per_round in samples.items()}
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The order the steps are timed in round `round_index`: as given in even rounds, reversed in odd."""
+    return names if round_index % 2 == 0 else names[::-1]
 
 
 def _summarize(per_round: list[list[tuple[float, float]]]) -> Timing:

@@ -45,3 +45,42 @@ def test_plans_ab_times_both_arms_beside_the_floor():
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("o ")]
     assert "floor" in line and "plans" in line and "no_plans" in line, line
+
+
+def test_rounds_alternate_the_order_of_the_steps():
+    """Odd rounds time the steps in reverse, so no step always runs first (at the idle GPU's higher
+    clock) or right after PEFT's (at the power-capped one); each step's iterations stay together."""
+    import torch
+
+    from benchmarks.harness import Clock, time_side_by_side
+
+    order: list[str] = []
+
+    class Recording:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def reset(self) -> None:
+            pass
+
+        def forward(self):
+            order.append(self.name)
+            return None
+
+        def backward(self, state) -> None:
+            pass
+
+    steps = {name: Recording(name) for name in ("floor", "peft", "fastlora")}
+    timings = time_side_by_side(steps, Clock(torch.device("cpu")), warmup=1, repeats=2, rounds=3)
+    timed = order[3:]  # after one warm-up call each
+    assert (
+        timed
+        == ["floor"] * 2
+        + ["peft"] * 2
+        + ["fastlora"] * 4
+        + ["peft"] * 2
+        + ["floor"] * 4
+        + ["peft"] * 2
+        + ["fastlora"] * 2
+    )
+    assert set(timings) == set(steps)
