@@ -204,27 +204,28 @@ GATED_FORWARD_CASES = [
 ]
 
 
+def _gated_forward_inputs(M, cols, gate_rank, up_rank, transposed, halves, activation, seed) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    if halves:
+        gate_up = _randn(generator, M, 2 * cols)
+        gate, up = gate_up[:, :cols], gate_up[:, cols:]
+    else:
+        gate, up = _randn(generator, M, cols), _randn(generator, M, cols)
+    return dict(
+        gate=gate, up=up, activation=activation,
+        gate_left=_randn(generator, M, gate_rank, dtype=torch.float32),
+        gate_right=_matrix(generator, cols, gate_rank, torch.float32, transposed), gate_scale=2.0 + seed,
+        up_left=_randn(generator, M, up_rank, dtype=torch.float32),
+        up_right=_matrix(generator, cols, up_rank, torch.bfloat16, transposed), up_scale=0.5 + seed,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("case", GATED_FORWARD_CASES, ids=str)
 def test_gated_forward_plan_launches_what_the_launcher_would(recorded_launches, case):
-    M, cols, gate_rank, up_rank, transposed, halves, activation = case
-
-    def make_inputs(seed):
-        generator = torch.Generator().manual_seed(seed)
-        if halves:
-            gate_up = _randn(generator, M, 2 * cols)
-            gate, up = gate_up[:, :cols], gate_up[:, cols:]
-        else:
-            gate, up = _randn(generator, M, cols), _randn(generator, M, cols)
-        return dict(
-            gate=gate, up=up, activation=activation,
-            gate_left=_randn(generator, M, gate_rank, dtype=torch.float32),
-            gate_right=_matrix(generator, cols, gate_rank, torch.float32, transposed), gate_scale=2.0 + seed,
-            up_left=_randn(generator, M, up_rank, dtype=torch.float32),
-            up_right=_matrix(generator, cols, up_rank, torch.bfloat16, transposed), up_scale=0.5 + seed,
-        )  # fmt: skip
-
     launch = _planned_and_unplanned(
-        recorded_launches, gated_forward._gated_act_lora_forward_triton, make_inputs
+        recorded_launches,
+        gated_forward._gated_act_lora_forward_triton,
+        lambda seed: _gated_forward_inputs(*case, seed),
     )
     assert 3.0 in _floats(launch) and 1.5 in _floats(launch)  # call 2's own scales
 
@@ -251,6 +252,85 @@ def test_gated_weight_grad_plan_launches_what_the_launcher_would(recorded_launch
     launcher = gated_act_lora._gated_act_backward_weight_grad_triton
     launch = _planned_and_unplanned(recorded_launches, launcher, make_inputs)
     assert 1.25 in _floats(launch)
+
+
+def _shrink_op_inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        x=_randn(generator, 33, 70), weight=_randn(generator, 16, 70, dtype=torch.float32), scale=0.5 + seed
+    )
+
+
+def _expand_op_inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    base, left = _randn(generator, 33, 70), _randn(generator, 33, 16, dtype=torch.float32)
+    return dict(
+        base=base, left=left, right=_matrix(generator, 70, 16, torch.bfloat16, True), scale=2.0 + seed
+    )
+
+
+def _weight_grad_op_inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    left, x = _randn(generator, 600, 8, dtype=torch.float32), _randn(generator, 600, 70)
+    return dict(left=left, x=x, scale=0.25 + seed, k_major=True, out_dtype=torch.bfloat16)
+
+
+def _gated_weight_grad_op_inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        grad_h=_randn(generator, 33, 70), gate=_randn(generator, 33, 70), up=_randn(generator, 33, 70),
+        activation="gelu_tanh", left=_randn(generator, 33, 5, dtype=torch.float32), scale=0.25 + seed,
+    )  # fmt: skip
+
+
+# (op, the module holding its checks and `runs_triton`, the check function, inputs by seed)
+OP_CASES = {
+    "lora_shrink": (lora_terms.lora_shrink, lora_terms, "_check_shrink", _shrink_op_inputs),
+    "lora_expand_add": (
+        lambda **inputs: lora_terms.lora_expand_add(**inputs, out_dtype=torch.float16),
+        lora_terms, "_check_expand_add", _expand_op_inputs,
+    ),
+    "lora_expand_add_": (lora_terms.lora_expand_add_, lora_terms, "_check_expand_add", _expand_op_inputs),
+    "lora_weight_grad": (
+        lora_terms.lora_weight_grad, lora_terms, "_check_weight_grad", _weight_grad_op_inputs,
+    ),
+    "gated_act_lora_forward_": (
+        gated_forward.gated_act_lora_forward_, gated_forward, "_check_lora_forward_inputs",
+        lambda seed: _gated_forward_inputs(33, 70, 16, 8, False, True, "silu", seed),
+    ),
+    "gated_act_backward_weight_grad_": (
+        gated_act_lora.gated_act_backward_weight_grad_, gated_act_lora, "_check_weight_grad_inputs",
+        _gated_weight_grad_op_inputs,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(OP_CASES))
+def test_ops_launch_from_their_plans_without_rechecking(recorded_launches, monkeypatch, name):
+    """An op's second call with inputs of the first's metadata launches from the plan before its input
+    checks (they read only what the key holds), and passes the kernel what the unplanned op passes."""
+    op, module, check_name, make_inputs = OP_CASES[name]
+    monkeypatch.setattr(module, "runs_triton", lambda tensor: True)  # CPU tensors reach the launcher
+    checks: list[str] = []
+    check = getattr(module, check_name)
+
+    def counting_check(*args, **kwargs):
+        checks.append(check_name)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(module, check_name, counting_check)
+    _planned_and_unplanned(recorded_launches, lambda **inputs: op(**inputs), make_inputs)
+    assert len(checks) == 2, "call 2 (from the plan) checked its inputs again, or call 1 or 3 did not"
+
+
+def test_a_plan_never_serves_inputs_that_fail_the_checks(recorded_launches, monkeypatch):
+    monkeypatch.setattr(lora_terms, "runs_triton", lambda tensor: True)
+    inputs = _shrink_op_inputs(0)
+    lora_terms.lora_shrink(**inputs)
+    with pytest.raises(ValueError, match="K"):
+        lora_terms.lora_shrink(inputs["x"][:, :69], inputs["weight"])
+    with pytest.raises(ValueError, match="must be float32, bfloat16 or float16"):
+        lora_terms.lora_shrink(inputs["x"].to(torch.int32), inputs["weight"])
 
 
 def _dequantize_inputs(rows: int, cols: int, blocksize: int, nested: bool, absmax_dtype, seed: int) -> dict:

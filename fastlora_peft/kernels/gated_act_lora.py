@@ -179,7 +179,7 @@ def _gated_act_backward_weight_grad_triton(
     plan_key = None
     defaults = split is None and block_m == 32 and block_i == 64 and block_r is None
     if defaults and (num_warps, num_stages, split_per_sm) == (4, 2, 2) and _WEIGHT_GRAD_PLANS.enabled:
-        plan_key = _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left)
+        plan_key = _weight_grad_plan_key(grad_h, gate, up, activation, left)
         plan = _WEIGHT_GRAD_PLANS.get(plan_key)
         if plan is not None:
             return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)
@@ -239,6 +239,11 @@ class _WeightGradPlan(NamedTuple):
 
 
 _WEIGHT_GRAD_PLANS = LaunchPlans("gated_act_backward_weight_grad_")
+
+
+def _weight_grad_plan_key(grad_h, gate, up, activation, left) -> tuple:
+    """The one key of a plan here: the launcher's and the op body's lookups must agree."""
+    return _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left)
 
 
 def _run_weight_grad_plan(plan: _WeightGradPlan, grad_h, gate, up, left, scale) -> torch.Tensor:
@@ -304,6 +309,10 @@ def _gated_act_backward_weight_grad_body(
     left: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    if _WEIGHT_GRAD_PLANS.enabled:  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
+        plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(grad_h, gate, up, activation, left))
+        if plan is not None:
+            return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)
     _check_weight_grad_inputs(grad_h, gate, up, activation, left)
     if runs_triton(gate):
         return _gated_act_backward_weight_grad_triton(

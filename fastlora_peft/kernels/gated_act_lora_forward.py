@@ -120,7 +120,7 @@ def _gated_act_lora_forward_triton(
     plan_key = None
     defaults = block_m == 64 and block_i == 64 and block_r is None and num_stages is None
     if defaults and num_warps == 4 and _FORWARD_PLANS.enabled:
-        plan_key = _FORWARD_PLANS.key(gate, up, activation, gate_left, gate_right, up_left, up_right)
+        plan_key = _forward_plan_key(gate, up, activation, gate_left, gate_right, up_left, up_right)
         plan = _FORWARD_PLANS.get(plan_key)
         if plan is not None:
             return _run_forward_plan(
@@ -182,6 +182,11 @@ class _ForwardPlan(NamedTuple):
 
 
 _FORWARD_PLANS = LaunchPlans("gated_act_lora_forward_")
+
+
+def _forward_plan_key(gate, up, activation, gate_left, gate_right, up_left, up_right) -> tuple:
+    """The one key of a forward plan: the launcher's and the op body's lookups must agree."""
+    return _FORWARD_PLANS.key(gate, up, activation, gate_left, gate_right, up_left, up_right)
 
 
 def _run_forward_plan(
@@ -262,6 +267,14 @@ def _gated_act_lora_forward_body(
     up_right: torch.Tensor,
     up_scale: float,
 ) -> torch.Tensor:
+    if _FORWARD_PLANS.enabled:  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
+        plan = _FORWARD_PLANS.get(
+            _forward_plan_key(gate, up, activation, gate_left, gate_right, up_left, up_right)
+        )
+        if plan is not None:
+            return _run_forward_plan(
+                plan, gate, up, gate_left, gate_right, gate_scale, up_left, up_right, up_scale
+            )
     _check_lora_forward_inputs(gate, up, activation, gate_left, gate_right, up_left, up_right)
     if runs_triton(gate):
         return _gated_act_lora_forward_triton(
