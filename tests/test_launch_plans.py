@@ -50,6 +50,8 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     direct = _launch._DirectLaunch(lambda *args: calls.append(args), 1234, False, False, "metadata")
     monkeypatch.setattr(_launch, "TRITON_INTERPRET", False)
     monkeypatch.setattr(_launch.LaunchPlans, "enabled", True)
+    # Op bodies serve plans to CUDA tensors only; here the CPU tensors stand in for them.
+    monkeypatch.setattr(_launch.LaunchPlans, "serve", lambda self, tensor: self.enabled)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     for kernel in _kernel_objects().values():
@@ -331,6 +333,21 @@ def test_a_plan_never_serves_inputs_that_fail_the_checks(recorded_launches, monk
         lora_terms.lora_shrink(inputs["x"][:, :69], inputs["weight"])
     with pytest.raises(ValueError, match="must be float32, bfloat16 or float16"):
         lora_terms.lora_shrink(inputs["x"].to(torch.int32), inputs["weight"])
+
+
+@pytest.mark.parametrize("name", sorted(OP_CASES))
+def test_ops_on_cpu_tensors_never_look_plans_up(monkeypatch, name):
+    """With plans on and no interpreter, CPU tensors run the reference: their op must not build a plan
+    key, which asks for the current CUDA device (a CPU-only torch raises there)."""
+    op, module, _, make_inputs = OP_CASES[name]
+    monkeypatch.setattr(_launch.LaunchPlans, "enabled", True)
+    monkeypatch.setattr(module, "runs_triton", lambda tensor: False)
+
+    def no_cuda():
+        raise AssertionError("a CPU op asked for the current CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    op(**make_inputs(0))
 
 
 def _dequantize_inputs(rows: int, cols: int, blocksize: int, nested: bool, absmax_dtype, seed: int) -> dict:

@@ -235,6 +235,12 @@ class LaunchPlans:
         self.name = name
         self.plans: dict[tuple, Any] = {}
 
+    def serve(self, tensor: torch.Tensor) -> bool:
+        """Whether an op body may look a plan up for a call on `tensor`: plans on, and a CUDA tensor
+        (only those are launched outside the interpreter; CPU tensors run the reference, and a key
+        asks for the current CUDA device, which a CPU-only torch does not have)."""
+        return self.enabled and tensor.is_cuda
+
     def key(self, *inputs: Any) -> tuple:
         device = torch.cuda.current_device()
         return (device, *map(_key_part, inputs))

@@ -309,7 +309,7 @@ def _gated_act_backward_weight_grad_body(
     left: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    if _WEIGHT_GRAD_PLANS.enabled:  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
+    if _WEIGHT_GRAD_PLANS.serve(gate):  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
         plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(grad_h, gate, up, activation, left))
         if plan is not None:
             return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)

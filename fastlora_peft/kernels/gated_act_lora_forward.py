@@ -267,7 +267,7 @@ def _gated_act_lora_forward_body(
     up_right: torch.Tensor,
     up_scale: float,
 ) -> torch.Tensor:
-    if _FORWARD_PLANS.enabled:  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
+    if _FORWARD_PLANS.serve(gate):  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
         plan = _FORWARD_PLANS.get(
             _forward_plan_key(gate, up, activation, gate_left, gate_right, up_left, up_right)
         )

@@ -640,7 +640,7 @@ def _lora_shrink_body(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0)
     x: [M, K] float32/bfloat16/float16; weight: [R, K], any of those dtypes (may differ from x's) and
     any strides (``lora_b.T`` is fine). Returns [M, R] float32, token-major (strides (1, M)).
     """
-    if _SHRINK_PLANS.enabled:  # see `_PLANS_SKIP_CHECKS`
+    if _SHRINK_PLANS.serve(x):  # see `_PLANS_SKIP_CHECKS`
         plan = _SHRINK_PLANS.get(_shrink_plan_key(x, weight))
         if plan is not None:
             return _run_shrink_plan(plan, x, weight, scale)
@@ -676,7 +676,7 @@ def _lora_expand_add_body(
     base: [M, N], any float dtype; left: [M, R] float32; right: [N, R], any float dtype and strides
     (``lora_a.T`` is fine). Returns [M, N] out_dtype, contiguous.
     """
-    if _EXPAND_ADD_PLANS.enabled:  # see `_PLANS_SKIP_CHECKS`
+    if _EXPAND_ADD_PLANS.serve(base):  # see `_PLANS_SKIP_CHECKS`
         plan = _EXPAND_ADD_PLANS.get(_expand_add_plan_key(base, left, right, out_dtype, None))
         if plan is not None:
             return _run_expand_add_plan(plan, base, left, right, scale, None)
@@ -704,7 +704,7 @@ def lora_expand_add_(
 def _lora_expand_add_inplace_body(
     base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
 ) -> None:
-    if _EXPAND_ADD_PLANS.enabled:  # see `_PLANS_SKIP_CHECKS`
+    if _EXPAND_ADD_PLANS.serve(base):  # see `_PLANS_SKIP_CHECKS`
         plan = _EXPAND_ADD_PLANS.get(_expand_add_plan_key(base, left, right, base.dtype, base))
         if plan is not None:
             _run_expand_add_plan(plan, base, left, right, scale, base)
@@ -765,7 +765,7 @@ def _lora_weight_grad_body(
     k_major its transpose contiguous (strides (1, R)): dB = result.T then is a dense [K, R] tensor that
     autograd takes over as lora_B's gradient instead of copying it. Zeros when M == 0.
     """
-    if _WEIGHT_GRAD_PLANS.enabled:  # see `_PLANS_SKIP_CHECKS`
+    if _WEIGHT_GRAD_PLANS.serve(x):  # see `_PLANS_SKIP_CHECKS`
         plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(left, x, k_major, out_dtype or torch.float32))
         if plan is not None:
             return _run_weight_grad_plan(plan, left, x, scale)
