@@ -116,8 +116,9 @@ def time_side_by_side(
     Every other round runs the steps in reverse order. Under sustained load the H200's power cap
     lowers its clock within a second ("The GPU's clock" in docs/benchmarks.md), so in a fixed order
     the first step (the floor, right after the models were built and the GPU idled) ran at a higher
-    clock than the fastlora steps that follow PEFT's. Each step's own iterations stay back to back,
-    so a host-bound step still starts on its own launch queue and shows its host time.
+    clock than the fastlora steps that follow PEFT's. Neighbours stay: with the blocks suite's five
+    providers each fastlora step follows a PEFT step in both orders. Each step's own iterations stay
+    back to back, so a host-bound step still starts on its own launch queue and shows its host time.
 
     Warm-up is by iterations, not milliseconds: the first calls compile and autotune Triton kernels
     and create cuBLAS handles, which must stay out of the numbers whatever they cost.

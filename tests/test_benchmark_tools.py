@@ -49,7 +49,7 @@ def test_plans_ab_times_both_arms_beside_the_floor():
 
 def test_rounds_alternate_the_order_of_the_steps():
     """Odd rounds time the steps in reverse, so no step always runs first (at the idle GPU's higher
-    clock) or right after PEFT's (at the power-capped one); each step's iterations stay together."""
+    clock); each step's iterations stay together."""
     import torch
 
     from benchmarks.harness import Clock, time_side_by_side

@@ -122,3 +122,13 @@ def test_a_full_codec_cache_starts_over(monkeypatch):
         tensors, layout = flatten_tensors(tree)
         _same_tree(unflatten_tensors(layout, tensors), tree)
     assert len(tensor_groups._CODECS) == 1
+
+
+def test_a_layout_with_an_unhashable_leaf_takes_the_walk():
+    """A leaf that cannot key the cache (a dict here) leaves the layout to the plain walks."""
+    tree = (_tensor(), {"not": "hashable"}, [_tensor()])
+    tensors, layout = flatten_tensors(tree)
+    codecs_before = dict(tensor_groups._CODECS)
+    _same_tree(unflatten_tensors(layout, tensors), tree)
+    assert all(a is b for a, b in zip(values_in_tensor_slots(layout, tree), tensors))
+    assert tensor_groups._CODECS == codecs_before
