@@ -100,9 +100,7 @@ def _gated_kernels(rows: int, inter: int, rank: int) -> None:
 
     def backward() -> torch.Tensor:
         gate_grad, up_grad = gate.clone(), up.clone()  # the kernel writes the gradients into them
-        return gated_act_lora.gated_act_backward_weight_grads_(grad_h, gate_grad, up_grad, "silu", left, 1.0)[
-            0
-        ]
+        return gated_act_lora.gated_act_backward_weight_grad_(grad_h, gate_grad, up_grad, "silu", left, 1.0)
 
     _compare(f"gated backward + dA_down [{rows},{inter}]", backward, left.double().T @ h.double())
     right = torch.randn(inter, rank, device="cuda", dtype=FP32) / rank**0.5

@@ -91,7 +91,7 @@ def test_whole_model_is_one_graph_with_the_fused_functions_inside():
     assert all("lora_shrink" in ops and "lora_expand_add_" in ops for ops in forward_ops), bodies
     mlp_bodies = [name for name, ops in bodies.items() if "gated_act_lora_forward_" in ops]
     assert len(mlp_bodies) == 1, bodies
-    assert "gated_act_backward_weight_grads_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
+    assert "gated_act_backward_weight_grad_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
 
 
 @pytest.mark.parametrize("layout", COMPILE_LAYOUTS, ids=[layout.id for layout in COMPILE_LAYOUTS])

@@ -1,11 +1,9 @@
-"""The fused activation backward + weight gradients op against the unfused path, its reference and float64.
+"""The fused activation backward + dA_down op against the unfused Triton path, its reference and float64.
 
-`gated_act_backward_weight_grads_` writes grad_gate/grad_up into gate/up and returns
-``(scale * left.T @ h, gate_scale * grad_gate.T @ gate_left, up_scale * grad_up.T @ up_left)``.
-Run the kernel on CPU with ``TRITON_INTERPRET=1``; without it the kernel cases skip and the op runs
-the pure-torch reference. Tiny odd shapes with small blocks, so several column tiles, row tiles,
-splits (the last one partial) and rank passes run under the interpreter, with the three ranks
-different so each gradient's rank mask and partial slab is its own.
+`gated_act_backward_weight_grad_` writes grad_gate/grad_up into gate/up and returns
+``scale * left.T @ h``. Run the kernel on CPU with ``TRITON_INTERPRET=1``; without it the kernel
+cases skip and the op runs the pure-torch reference. Tiny odd shapes with small blocks, so several
+column tiles, row tiles, splits (the last one partial) and rank passes run under the interpreter.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from conftest import TRITON_INTERPRET, LaunchSpy, assert_rel_close, requires_int
 
 from fastlora_peft.kernels import gated_act, gated_act_lora, gated_act_reference
 from fastlora_peft.kernels.gated_act_lora import (
-    gated_act_backward_weight_grads_,
-    gated_act_backward_weight_grads_op,
+    gated_act_backward_weight_grad_,
+    gated_act_backward_weight_grad_op,
 )
 
 # exp(-x) overflows to inf for x << 0 under the interpreter's numpy, as meant: sigmoid(x) -> 0.
@@ -29,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 FP32, BF16, FP16, FP64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 DTYPE_NAMES = {FP32: "fp32", BF16: "bf16", FP16: "fp16", FP64: "fp64"}
 ACTIVATIONS = ("silu", "gelu_tanh")
-SCALE, GATE_SCALE, UP_SCALE = 0.37, 0.61, 1.7
+SCALE = 0.37
 TOKENS, FEATURES = 37, 45  # tokens, intermediate features: neither a multiple of any block
 
 # Relative errors allowed, against float64 on the same (rounded) inputs.
@@ -55,45 +53,28 @@ class Case:
     block_i: int = 16
     block_r: int | None = None
     left_layout: str = "rows"  # "rows": a row-major slice (the launcher copies it); "cols": token-major
-    # (gate_left's, up_left's) ranks, 0 for a left that is None (no dB share); rank 0: left is None.
-    b_ranks: tuple[int, int] = (3, 6)
 
     @property
     def id(self) -> str:
         blocks = f"bm{self.block_m}-bi{self.block_i}" + (f"-br{self.block_r}" if self.block_r else "")
         return (
-            f"{DTYPE_NAMES[self.dtype]}-{self.activation}-r{self.rank}-b{self.b_ranks[0]}x{self.b_ranks[1]}"
-            f"-split{self.split}-{blocks}-left{self.left_layout}"
+            f"{DTYPE_NAMES[self.dtype]}-{self.activation}-r{self.rank}-split{self.split}-{blocks}"
+            f"-left{self.left_layout}"
         )
 
 
 # split=3 with 16-row blocks: rows 16 + 16 + 5; split=2: 32 (two row tiles) + 5. Rank 70: two passes
-# with 64-rank blocks (the default), five with 16; a dB rank of 70 beside a down rank of 5 also
-# takes two passes, the down gradient's second one masked out.
+# with 64-rank blocks (the default), five with 16.
 CASES = [
-    Case(dtype, activation, rank, split, left_layout=layout, b_ranks=b_ranks)
+    Case(dtype, activation, rank, split, left_layout=layout)
     for dtype in (FP32, BF16, FP16)
     for activation in ACTIVATIONS
-    for rank, split, layout, b_ranks in ((5, 3, "rows", (3, 6)), (70, 2, "cols", (16, 9)))
+    for rank, split, layout in ((5, 3, "rows"), (70, 2, "cols"))
 ]
 CASES += [
-    Case(FP32, "gelu_tanh", 70, 1, block_m=32, block_r=16, left_layout="cols", b_ranks=(70, 4)),
-    Case(BF16, "silu", 5, None, block_m=64, block_i=64, b_ranks=(16, 16)),  # the GPU blocks: one tile
-    Case(FP32, "silu", 5, 3, b_ranks=(0, 0)),  # dA_down alone (gate's and up's lora_B frozen)
-    Case(BF16, "gelu_tanh", 0, 2, b_ranks=(7, 70)),  # the dB shares alone (lora_A of down frozen)
-    Case(FP16, "silu", 4, 3, b_ranks=(5, 0)),  # up's lora_B frozen
+    Case(FP32, "gelu_tanh", 70, 1, block_m=32, block_r=16, left_layout="cols"),
+    Case(BF16, "silu", 5, None, block_m=64, block_i=64),  # the GPU blocks: one tile, one split
 ]
-
-
-def make_b_lefts(dtype, b_ranks, tokens=TOKENS, seed=10):
-    """(gate_left, up_left): gate's a row-major slice (the launcher copies it token-major), up's a
-    token-major one like lora_shrink's outputs; None for rank 0."""
-    generator = torch.Generator().manual_seed(seed)
-    left_dtype = FP64 if dtype == FP64 else FP32
-    gate_rank, up_rank = b_ranks
-    gate_left = torch.randn(tokens, gate_rank + 2, generator=generator, dtype=left_dtype)[:, 2:]
-    up_left = torch.randn(up_rank, tokens, generator=generator, dtype=left_dtype).T
-    return (gate_left if gate_rank else None), (up_left if up_rank else None)
 
 
 def make_inputs(dtype, rank, left_layout="rows", tokens=TOKENS, features=FEATURES, seed=0):
@@ -118,94 +99,63 @@ def halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up[:, :half], gate_up[:, half:]
 
 
-def float64_truth(grad_h, gate, up, activation, left, gate_left=None, up_left=None):
-    """(grad_gate, grad_up, dA on exact h, dB_gate, dB_up on the exact gradients) through float64
-    autograd; an absent left's gradient is None."""
+def float64_truth(grad_h, gate, up, activation, left):
+    """(grad_gate, grad_up, dA on exact h) through float64 autograd."""
     gate64, up64 = gate.double().requires_grad_(), up.double().requires_grad_()
     act = F.silu(gate64) if activation == "silu" else F.gelu(gate64, approximate="tanh")
     h = act * up64
     h.backward(grad_h.double())
-    grad_weight = None if left is None else SCALE * left.double().T @ h.detach()
-    grad_bs = [
-        None if side is None else side_scale * grad.T @ side.double()
-        for grad, side, side_scale in ((gate64.grad, gate_left, GATE_SCALE), (up64.grad, up_left, UP_SCALE))
-    ]
-    return gate64.grad, up64.grad, grad_weight, *grad_bs
+    return gate64.grad, up64.grad, SCALE * left.double().T @ h.detach()
 
 
-def run_fused(grad_h, gate_up, activation, left, gate_left=None, up_left=None, **launch):
-    """The fused op on a copy of gate_up: (grad_gate, grad_up, grad_weight, grad_gate_b, grad_up_b).
-    With `launch`, the Triton launcher with those block sizes and split; without, the public op."""
+def run_fused(grad_h, gate_up, activation, left, **launch):
+    """The fused op on a copy of gate_up: (grad_gate, grad_up, grad_weight). With `launch`, the
+    Triton launcher with those block sizes and split; without, the public op."""
     buffer = gate_up.clone()
     gate, up = halves(buffer)
-    sides = dict(gate_left=gate_left, gate_scale=GATE_SCALE, up_left=up_left, up_scale=UP_SCALE)
     if launch:
-        grad_weights = gated_act_lora._gated_act_backward_weight_grads_triton(
-            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=SCALE, **sides, **launch
+        grad_weight = gated_act_lora._gated_act_backward_weight_grad_triton(
+            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=SCALE, **launch
         )
     else:
-        grad_weights = gated_act_backward_weight_grads_(grad_h, gate, up, activation, left, SCALE, **sides)
-    return gate, up, *grad_weights
+        grad_weight = gated_act_backward_weight_grad_(grad_h, gate, up, activation, left, SCALE)
+    return gate, up, grad_weight
 
 
-def check_against_unfused_reference_and_float64(case, grad_h, gate_up, lefts, results, unfused=True):
-    """lefts: (left, gate_left, up_left); results: the op's five (grad_gate, grad_up, dA, dB_gate, dB_up)."""
+def check_against_unfused_reference_and_float64(
+    case, grad_h, gate_up, left, grad_gate, grad_up, grad_weight, unfused=True
+):
     gate, up = halves(gate_up)
-    grad_gate, grad_up, *grad_weights = results
-    left, gate_left, up_left = lefts
-    exact = float64_truth(grad_h, gate, up, case.activation, *lefts)
-    reference = gated_act_reference.gated_act_backward_weight_grads(
-        grad_h, gate, up, case.activation, left, SCALE, gate_left, GATE_SCALE, up_left, UP_SCALE
+    exact = float64_truth(grad_h, gate, up, case.activation, left)
+    reference = gated_act_reference.gated_act_backward_weight_grad(
+        grad_h, gate, up, case.activation, left, SCALE
     )
-    # What each weight gradient multiplies its left by, as the unfused path reads it from memory: h
-    # (rounded to gate's dtype) and the gradients the op wrote. fp32 sums only against these (1.4e-7
-    # measured); a share made from an unrounded operand is off by 1e-4 (fp16) to 1e-3 (bf16).
-    stored_h = gated_act.gated_act_forward(gate, up, case.activation) if unfused else None
-    stored = (stored_h, grad_gate, grad_up)
     if unfused:  # the unfused ops launch a program per row: slow under the interpreter for many rows
         # The same activation code, so the same gradients bit for bit, and the same rounded h.
         unfused_grads = gated_act.gated_act_backward(grad_h, gate, up, case.activation)
         assert torch.equal(grad_gate, unfused_grads[0]), "grad_gate differs from gated_act_backward's"
         assert torch.equal(grad_up, unfused_grads[1]), "grad_up differs from gated_act_backward's"
+        rounded_h = gated_act.gated_act_forward(gate, up, case.activation)
+        assert_rel_close(grad_weight, SCALE * left.double().T @ rounded_h.double(), ROUNDED_H_TOLERANCE, "dA")
     tol = TOLERANCE[case.dtype]
     for name, actual, wanted, truth in zip(("grad_gate", "grad_up"), (grad_gate, grad_up), reference, exact):
         assert actual.dtype == case.dtype
         assert_rel_close(actual, truth, tol, f"{name} vs float64")
         assert_rel_close(actual, wanted, tol, f"{name} vs reference")
-    names, scales = ("dA_down", "dB_gate", "dB_up"), (SCALE, GATE_SCALE, UP_SCALE)
-    n_cols = gate.shape[1]
-    for index, (name, actual, side, side_scale) in enumerate(zip(names, grad_weights, lefts, scales)):
-        assert actual.dtype == FP32, name
-        rank = 0 if side is None else side.shape[1]
-        assert actual.shape == ((rank, n_cols) if index == 0 else (n_cols, rank)), (name, actual.shape)
-        if side is None:
-            continue
-        operand = stored[index]
-        if operand is not None:
-            product = side.double().T @ operand.double()
-            on_stored = side_scale * (product if index == 0 else product.T)
-            assert_rel_close(actual, on_stored, ROUNDED_H_TOLERANCE, f"{name} on the stored operand")
-        assert_rel_close(actual, exact[2 + index], tol, f"{name} vs float64 on exact operands")
-        assert_rel_close(
-            actual, reference[2 + index], REFERENCE_TOLERANCE[case.dtype], f"{name} vs reference"
-        )
-
-
-def case_lefts(case: Case, left):
-    return (left if case.rank else None, *make_b_lefts(case.dtype, case.b_ranks))
+    assert grad_weight.dtype == FP32 and grad_weight.shape == (left.shape[1], gate.shape[1])
+    assert_rel_close(grad_weight, exact[2], tol, "dA vs float64 on exact h")
+    assert_rel_close(grad_weight, reference[2], REFERENCE_TOLERANCE[case.dtype], "dA vs reference")
 
 
 @requires_interpreter
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_kernel_matches_unfused_reference_and_float64(case: Case):
     grad_h, gate_up, left = make_inputs(case.dtype, case.rank, case.left_layout)
-    lefts = case_lefts(case, left)
-    before = [tensor.clone() for tensor in (grad_h, *lefts) if tensor is not None]
+    grad_h_before, left_before = grad_h.clone(), left.clone()
     launch = dict(split=case.split, block_m=case.block_m, block_i=case.block_i, block_r=case.block_r)
-    results = run_fused(grad_h, gate_up, case.activation, *lefts, **launch)
-    check_against_unfused_reference_and_float64(case, grad_h, gate_up, lefts, results)
-    after = [tensor for tensor in (grad_h, *lefts) if tensor is not None]
-    assert all(map(torch.equal, before, after)), "an input was written"
+    results = run_fused(grad_h, gate_up, case.activation, left, **launch)
+    check_against_unfused_reference_and_float64(case, grad_h, gate_up, left, *results)
+    assert torch.equal(grad_h, grad_h_before) and torch.equal(left, left_before), "an input was written"
 
 
 @requires_interpreter
@@ -213,14 +163,13 @@ def test_default_geometry_splits_tokens_with_a_partial_last_split(monkeypatch):
     # As on a GPU of 132 SMs: 1100 rows become 3 splits of 384, 384 and 332 (at least 512 rows each
     # before rounding up to 64-row blocks), one 64-column tile.
     monkeypatch.setattr(gated_act_lora, "_num_sms", lambda device: 132)
-    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grads_kernel)
-    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grads_kernel", spy)
-    case = Case(FP32, "silu", 5, b_ranks=(3, 6))
+    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grad_kernel)
+    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grad_kernel", spy)
+    case = Case(FP32, "silu", 5)
     grad_h, gate_up, left = make_inputs(case.dtype, case.rank, tokens=1100, features=23, seed=1)
-    lefts = (left, *make_b_lefts(case.dtype, case.b_ranks, tokens=1100))
-    results = run_fused(grad_h, gate_up, case.activation, *lefts)
+    results = run_fused(grad_h, gate_up, case.activation, left)
     assert spy.grids == [(1, 3)]
-    check_against_unfused_reference_and_float64(case, grad_h, gate_up, lefts, results, unfused=False)
+    check_against_unfused_reference_and_float64(case, grad_h, gate_up, left, *results, unfused=False)
 
 
 # --- which path runs -----------------------------------------------------------------------------
@@ -228,21 +177,20 @@ def test_default_geometry_splits_tokens_with_a_partial_last_split(monkeypatch):
 
 def spy_on_paths(monkeypatch, dtype):
     """Runs the public op (eager, then through torch.library) on `dtype`: (kernel grids, reference calls)."""
-    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grads_kernel)
-    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grads_kernel", spy)
+    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grad_kernel)
+    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grad_kernel", spy)
     reference_calls = []
-    original = gated_act_reference.gated_act_backward_weight_grads
+    original = gated_act_reference.gated_act_backward_weight_grad
     monkeypatch.setattr(
         gated_act_reference,
-        "gated_act_backward_weight_grads",
+        "gated_act_backward_weight_grad",
         lambda *args: reference_calls.append(args[0].dtype) or original(*args),
     )
     grad_h, gate_up, left = make_inputs(dtype, 5)
-    gate_left, up_left = make_b_lefts(dtype, (3, 6))
     gate, up = halves(gate_up.clone())
-    gated_act_backward_weight_grads_(grad_h, gate, up, "silu", left, SCALE, gate_left, GATE_SCALE)
+    gated_act_backward_weight_grad_(grad_h, gate, up, "silu", left, SCALE)
     gate, up = halves(gate_up.clone())
-    gated_act_backward_weight_grads_op(grad_h, gate, up, "silu", None, SCALE, None, 1.0, up_left, UP_SCALE)
+    gated_act_backward_weight_grad_op(grad_h, gate, up, "silu", left, SCALE)
     return spy.grids, reference_calls
 
 
@@ -260,10 +208,9 @@ def test_pin_reference_ran_without_interpreter(monkeypatch):
 def test_float64_runs_the_reference(monkeypatch):
     assert spy_on_paths(monkeypatch, FP64) == ([], [FP64, FP64])
     grad_h, gate_up, left = make_inputs(FP64, 5, "cols")
-    lefts = (left, *make_b_lefts(FP64, (3, 6)))
-    results = run_fused(grad_h, gate_up, "gelu_tanh", *lefts)
-    exact = float64_truth(grad_h, *halves(gate_up), "gelu_tanh", *lefts)
-    for name, actual, truth in zip(("grad_gate", "grad_up", "dA", "dB_gate", "dB_up"), results, exact):
+    gate, up, grad_weight = run_fused(grad_h, gate_up, "gelu_tanh", left)
+    exact = float64_truth(grad_h, *halves(gate_up), "gelu_tanh", left)
+    for name, actual, truth in zip(("grad_gate", "grad_up", "dA"), (gate, up, grad_weight), exact):
         assert actual.dtype == FP64
         assert_rel_close(actual, truth, 1e-12, name)
 
@@ -272,26 +219,22 @@ def test_float64_runs_the_reference(monkeypatch):
 def test_public_op_matches_reference(dtype):
     # Whichever path runs (the kernel under the interpreter, else the reference), the op's results.
     grad_h, gate_up, left = make_inputs(dtype, 70, "rows", seed=2)
-    case = Case(dtype, "silu", 70, b_ranks=(9, 70))
-    lefts = case_lefts(case, left)
+    case = Case(dtype, "silu", 70)
     check_against_unfused_reference_and_float64(
-        case, grad_h, gate_up, lefts, run_fused(grad_h, gate_up, "silu", *lefts)
+        case, grad_h, gate_up, left, *run_fused(grad_h, gate_up, "silu", left)
     )
 
 
 @pytest.mark.parametrize("tokens, rank", [(0, 5), (9, 0)], ids=["no-tokens", "rank-0"])
 def test_empty(tokens, rank):
-    # Rank 0 everywhere (zero-column lefts, not None): no weight gradient, gate/up still become theirs.
     grad_h, gate_up, left = make_inputs(FP32, rank, tokens=tokens, features=23)
-    gate_left, up_left = left[:, :rank], left[:, :rank]
-    results = run_fused(grad_h, gate_up, "silu", left, gate_left, up_left)
-    expected = gated_act_reference.gated_act_backward_weight_grads(
-        grad_h, *halves(gate_up), "silu", left, SCALE, gate_left, GATE_SCALE, up_left, UP_SCALE
+    gate, up, grad_weight = run_fused(grad_h, gate_up, "silu", left)
+    expected = gated_act_reference.gated_act_backward_weight_grad(
+        grad_h, *halves(gate_up), "silu", left, SCALE
     )
-    for actual, wanted in zip(results, expected):
-        assert actual.shape == wanted.shape and actual.dtype == wanted.dtype
+    for actual, wanted in zip((gate, up, grad_weight), expected):
         assert_rel_close(actual, wanted, 1e-6, "empty")
-    assert results[2].shape == (rank, 23) and results[3].shape == (23, rank)
+    assert grad_weight.shape == (rank, 23) and grad_weight.dtype == FP32
 
 
 # --- registration and input checks -------------------------------------------------------------
@@ -301,10 +244,7 @@ def test_empty(tokens, rank):
 def test_opcheck(dtype):
     grad_h, gate_up, left = make_inputs(dtype, 3, "rows", tokens=5, features=23, seed=3)
     gate, up = halves(gate_up)
-    gate_left, up_left = make_b_lefts(dtype, (2, 4), tokens=5)
-    args = (grad_h, gate, up, "gelu_tanh", left, SCALE, gate_left, GATE_SCALE, up_left, UP_SCALE)
-    torch.library.opcheck(gated_act_backward_weight_grads_op, args)
-    torch.library.opcheck(gated_act_backward_weight_grads_op, args[:4] + (None, 1.0, None, 1.0) + args[8:])
+    torch.library.opcheck(gated_act_backward_weight_grad_op, (grad_h, gate, up, "gelu_tanh", left, SCALE))
 
 
 def bad_inputs():
@@ -336,22 +276,11 @@ def bad_inputs():
             (gate, gate.clone(), gate.clone(), "silu", torch.empty(3, 2, device="meta")),
             "left: expected device cpu",
         ),
-        "no-left": ((gate, gate.clone(), gate.clone(), "silu", None), "no weight gradient asked for"),
-        "gate-left-rows": (
-            (gate, gate.clone(), gate.clone(), "silu", None, torch.randn(4, 2)),
-            r"gate_left: expected a 2-D tensor \[M, R\] with M=3",
-        ),
-        "up-left-bf16": (
-            (gate, gate.clone(), gate.clone(), "silu", left, None, left.bfloat16()),
-            "up_left: expected dtype torch.float32 .* got torch.bfloat16",
-        ),
     }
 
 
 @pytest.mark.parametrize("name", list(bad_inputs()))
 def test_rejects_bad_inputs(name: str):
     args, message = bad_inputs()[name]
-    grad_h, gate, up, activation, left, *sides = args
-    gate_left, up_left = (sides + [None, None])[:2]
     with pytest.raises(ValueError, match=message):
-        gated_act_backward_weight_grads_(grad_h, gate, up, activation, left, SCALE, gate_left, 1.0, up_left)
+        gated_act_backward_weight_grad_(*args, SCALE)

@@ -265,7 +265,7 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     gate, up = _make(37, 70, x_dtype, "contig"), _make(37, 70, x_dtype, "contig")
     right = _make(70, 5, w_dtype, "contig")
     gated_act_lora_forward.gated_act_lora_forward_(gate, up, "silu", left, right, SCALE, left, right, SCALE)
-    gated_act_lora.gated_act_backward_weight_grads_(x.clone(), gate, up, "silu", left, SCALE)
+    gated_act_lora.gated_act_backward_weight_grad_(x.clone(), gate, up, "silu", left, SCALE)
     seen = {name: meta for name, meta in launches}
     split = x_dtype == BF16  # a bf16 activation against an fp32 tile (every weight gradient's left)
     if x_dtype == w_dtype:  # 16-bit pair: as loaded on a GPU; the interpreter multiplies fp32 only
@@ -273,7 +273,7 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     else:
         shrink_mode = dots.SPLIT_DOT if split else dots.FP32_DOT
     assert seen["_lora_shrink_kernel"]["DOT_MODE"] == shrink_mode
-    for kernel in ("_lora_weight_grad_kernel", "_gated_act_backward_weight_grads_kernel"):
+    for kernel in ("_lora_weight_grad_kernel", "_gated_act_backward_weight_grad_kernel"):
         assert seen[kernel]["DOT_MODE"] == (dots.SPLIT_DOT if split else dots.FP32_DOT), kernel
     expand_precision = "tf32" if x_dtype == BF16 else "tf32x3"  # fp32 adapters too, into bf16
     for kernel in ("_lora_expand_add_kernel", "_gated_act_lora_forward_kernel"):

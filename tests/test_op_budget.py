@@ -120,13 +120,12 @@ _QKV_SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2)]
 _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
 
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
-GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grads_"
+GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grad_"
 
 
 def _with_casts(budget: dict[str, int], casts: int) -> dict[str, int]:
     """16-bit adapters add the casts of fp32-accumulated gradients the kernels do not round themselves
-    (lora_weight_grad writes the adapters' dtype; the MLP's dA_down, dB_gate and dB_up, from the
-    gated backward, are summed over chunks in fp32)."""
+    (lora_weight_grad writes the adapters' dtype; the MLP's dA_down is summed over chunks in fp32)."""
     return {**budget, "_to_copy": casts} if casts else budget
 
 
@@ -144,14 +143,13 @@ CASES = {
         0,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
-    # consumed inside the gated kernels; down as one projection. Backward: dA_down and gate's and
-    # up's dB come out of the gated backward; dA of gate/up (one pass over x) and dB_down remain.
+    # consumed inside the gated kernels; down as one projection.
     "mlp": (
         _mlp,
         _MLP_SHAPES,
         {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
-        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 2, GATED_BWD: 1},
-        3,
+        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
+        1,
     ),
 }
 
@@ -191,10 +189,9 @@ def test_mlp_adds_gate_and_up_lora_terms_inside_the_activation_kernel(layout_id)
 @pytest.mark.parametrize("case", list(CASES))
 def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch):
     # lora_weight_grad's launcher copies a left operand ([tokens, r] fp32: xa or dY @ B) that is not
-    # token-major (stride(0) == 1) before its kernel reads it; so does the gated backward's, for its
-    # three (dY_down @ B_down, and gate's and up's columns of xa). The copies are inside the ops, where
-    # the budgets above cannot see them. A group's dY_i @ B_i side by side used to come out row-major.
-    from fastlora_peft.functions import gated_mlp, shared_input
+    # token-major (stride(0) == 1) before its kernel reads it; the copy is inside the op, where the
+    # budgets above cannot see it. A group's dY_i @ B_i side by side used to come out row-major.
+    from fastlora_peft.functions import shared_input
 
     lefts = []
 
@@ -202,19 +199,9 @@ def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch
         lefts.append((tuple(left.shape), left.stride()))
         return weight_grad(left, x, scale, k_major, out_dtype)
 
-    def gated_spy(grad_h, gate, up, activation, *lefts_and_scales):
-        gated_lefts.extend((tuple(t.shape), t.stride()) for t in lefts_and_scales[::2])
-        return gated(grad_h, gate, up, activation, *lefts_and_scales)
-
-    weight_grad, gated, gated_lefts = (
-        shared_input.lora_weight_grad,
-        gated_mlp.gated_act_backward_weight_grads_,
-        [],
-    )
+    weight_grad = shared_input.lora_weight_grad
     monkeypatch.setattr(shared_input, "lora_weight_grad", spy)
-    monkeypatch.setattr(gated_mlp, "gated_act_backward_weight_grads_", gated_spy)
     run, shapes, _, backward_budget, _ = CASES[case]
     _counted_step(run, LAYOUTS[layout_id], shapes)
     assert len(lefts) == backward_budget[WGRAD], lefts
-    assert len(gated_lefts) == 3 * backward_budget.get(GATED_BWD, 0), gated_lefts
-    assert all(stride[0] == 1 for _, stride in lefts + gated_lefts), (lefts, gated_lefts)
+    assert all(stride[0] == 1 for _, stride in lefts), lefts

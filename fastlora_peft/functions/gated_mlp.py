@@ -7,8 +7,7 @@
 Gate and up are either two projections (Llama, Gemma, ...) or the two halves of one fused
 `gate_up_proj` (Phi-3). Saves x, the gate/up pre-activations and the small fp32 `x @ A.T` and
 `h @ Ad.T`; h is not kept ([tokens, I] per block is the largest activation of a transformer layer):
-backward recomputes it in registers, inside the kernel that makes the gate/up gradients and dA_down
-(and, when the backward runs in one chunk, gate's and up's dB from the gradients it writes).
+backward recomputes it in registers, inside the kernel that makes the gate/up gradients and dA_down.
 Backward overwrites the saved gate/up with their gradients, so a second backward through the same
 graph (`retain_graph=True`) stops with a clear error instead of computing garbage.
 
@@ -34,7 +33,7 @@ import torch
 
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
-from ..kernels.gated_act_lora import gated_act_backward_weight_grads_
+from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .shared_input import (
@@ -144,14 +143,6 @@ def _down_forward(
     return out, ha_down
 
 
-class _WeightGrads(NamedTuple):
-    """The fp32 LoRA weight gradients the gated backward makes (None: not asked for)."""
-
-    down_a: Optional[torch.Tensor]  # [r_down, I]
-    gate_b: Optional[torch.Tensor]  # [I, r_gate]
-    up_b: Optional[torch.Tensor]  # [I, r_up]
-
-
 def _down_backward_(
     gate: torch.Tensor,
     up: torch.Tensor,
@@ -162,93 +153,32 @@ def _down_backward_(
     down_base: FrozenBase,
     down_lora: LoraWeights,
     plan: DtypePlan,
-    needs_down_a: bool,
-    gate_up_b: Optional[GateUpLoraTerms],
+    needs_a: bool,
     chunks: Sequence[slice],
-) -> _WeightGrads:
+) -> Optional[torch.Tensor]:
     """Per chunk of rows: dh, then one fused op that turns it into the gate/up gradients in the saved
-    gate/up buffers themselves and, from the same tiles, makes dA_down (recomputing h from those rows
-    before it overwrites them) and the dB shares of gate and up (from the gradients it writes; their
-    lefts and scales in `gate_up_b`, or None when neither lora_B needs a gradient). Returns the fp32
-    sums over the chunks.
+    gate/up buffers themselves and, when dA_down is needed, recomputes h from those rows (before it
+    overwrites them) for h's share of dA_down. Returns dA_down (fp32 `[r, I]`), or None.
 
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
     """
-    totals = None
+    grad_a = None
     for rows in chunks:
         grad_hidden = shared_input_grad_x(
             [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype
         )
         # These rows of gate/up hold their gradients afterwards.
-        if needs_down_a or gate_up_b is not None:
-            # One pass over dh, gate and up instead of five launches that recompute h, read it for dA,
-            # read gate/up again and read the gradients back for dB (11 passes over [chunk, I]
-            # against 5, see gated_act_lora).
-            b_lefts = (None, 1.0, None, 1.0)
-            if gate_up_b is not None:
-                b_lefts = (
-                    gate_up_b.gate_left[rows],
-                    gate_up_b.gate_scale,
-                    gate_up_b.up_left[rows],
-                    gate_up_b.up_scale,
-                )
-            down_left = grad_ha[rows] if needs_down_a else None
-            parts = gated_act_backward_weight_grads_(
-                grad_hidden, gate[rows], up[rows], activation, down_left, down_scale, *b_lefts
+        if needs_a:
+            # One pass over dh, gate and up instead of three launches that recompute h, read it for
+            # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora).
+            grad_a_rows = gated_act_backward_weight_grad_(
+                grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale
             )
-            totals = parts if totals is None else [total.add_(part) for total, part in zip(totals, parts)]
+            grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
         else:
             gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)
         del grad_hidden
-    if totals is None:
-        return _WeightGrads(None, None, None)
-    down_a, gate_b, up_b = totals
-    has_b = gate_up_b is not None
-    return _WeightGrads(
-        down_a if needs_down_a else None,
-        gate_b if has_b and gate_b.shape[1] else None,
-        up_b if has_b and up_b.shape[1] else None,
-    )
-
-
-def _fused_b_lefts(
-    xa_in: torch.Tensor, loras: Sequence[LoraWeights], needs_loras: Sequence[LoraWeights]
-) -> Optional[GateUpLoraTerms]:
-    """The lefts and scales of the gate/up dB shares the gated backward makes (see `_down_backward_`),
-    with a left dropped (a [tokens, 0] slice) where its lora_B needs no gradient; None if none does.
-
-    Only for a backward in one chunk (the caller's rule). On an H200 (docs/benchmarks.md, fourteenth
-    session) the two dots cost the fused kernel about as much GPU time per row as the two
-    `lora_weight_grad` launches that read the gradients back cost: at 2048 tokens (one chunk) the
-    gated backward plus the weight-gradient kernels took 194 us per MLP step either way, and the
-    fused one makes two launches fewer; at 8192 tokens (four chunks) 762 us against 711 for the two
-    launches over all 8192 rows at once.
-    """
-    if not any(need.lora_b for need in needs_loras):
-        return None
-    terms = _gate_up_lora_terms(xa_in, loras)
-    if len(loras) == 1:  # one gate_up lora_B: its two halves share the need
-        return terms
-    gate_need, up_need = (need.lora_b for need in needs_loras)
-    return terms._replace(
-        gate_left=terms.gate_left if gate_need else terms.gate_left[:, :0],
-        up_left=terms.up_left if up_need else terms.up_left[:, :0],
-    )
-
-
-def _with_fused_b_grads(
-    grads: list[LoraWeights], loras: Sequence[LoraWeights], weight_grads: _WeightGrads
-) -> list[LoraWeights]:
-    """The gate/up LoRA gradients with the dB the gated backward made put in (cast to lora_B's dtype)."""
-    if len(loras) == 1:
-        if weight_grads.gate_b is None:
-            return grads
-        grad_b = torch.cat([weight_grads.gate_b, weight_grads.up_b])  # the halves of gate_up's lora_B
-        return [grads[0]._replace(lora_b=grad_b.to(loras[0].lora_b.dtype))]
-    return [
-        grad if grad_b is None else grad._replace(lora_b=grad_b.to(lora.lora_b.dtype))
-        for grad, lora, grad_b in zip(grads, loras, (weight_grads.gate_b, weight_grads.up_b))
-    ]
+    return grad_a
 
 
 class GatedMlpSettings:
@@ -332,26 +262,18 @@ class LoraGatedMlpFunction(torch.autograd.Function):
                 None, ha_down, [grad_2d], grad_ha, down_scale, bases[-1:], [down_lora],
                 [need_down._replace(lora_a=False)], needs_bases[-1:],
             )  # fmt: skip
-            gate_up_b = _fused_b_lefts(xa_in, loras[:-1], needs_loras[:-1]) if len(ctx.chunks) == 1 else None
-            weight_grads = _down_backward_(
+            grad_a_down = _down_backward_(
                 gate, up, ctx.activation, grad_2d, grad_ha, down_scale, _dense_base(bases[-1], plan),
-                down_lora, plan, need_down.lora_a, gate_up_b, ctx.chunks,
+                down_lora, plan, need_down.lora_a, ctx.chunks,
             )  # fmt: skip
-            if weight_grads.down_a is not None:
-                down_grad_lora = down_grad_lora._replace(
-                    lora_a=weight_grads.down_a.to(down_lora.lora_a.dtype)
-                )
-            # The gate/up dB that came out of the gated backward: the rest of their backward skips them.
-            needs_gate_up = needs_loras[:-1]
-            if gate_up_b is not None:
-                needs_gate_up = [need._replace(lora_b=False) for need in needs_gate_up]
+            if grad_a_down is not None:
+                down_grad_lora = down_grad_lora._replace(lora_a=grad_a_down.to(down_lora.lora_a.dtype))
             gate_up = shared_input_backward(
                 x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, ctx.needs_input_grad[0],
-                needs_gate_up, needs_bases[:-1],
+                needs_loras[:-1], needs_bases[:-1],
             )  # fmt: skip
-        gate_up_loras = _with_fused_b_grads(gate_up.loras, loras[:-1], weight_grads)
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
-        grad_tree = (gate_up.bases + down_grad_bases, gate_up_loras + [down_grad_lora])
+        grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
         return (grad_x, None, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))
 
 

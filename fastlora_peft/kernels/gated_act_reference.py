@@ -12,8 +12,6 @@ Inputs are checked by the public ops.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -63,39 +61,22 @@ def gated_act_backward(
     )
 
 
-def gated_act_backward_weight_grads(
+def gated_act_backward_weight_grad(
     grad_h: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
     activation: str,
-    left: Optional[torch.Tensor],
+    left: torch.Tensor,
     scale: float,
-    gate_left: Optional[torch.Tensor] = None,
-    gate_scale: float = 1.0,
-    up_left: Optional[torch.Tensor] = None,
-    up_scale: float = 1.0,
-) -> tuple[torch.Tensor, ...]:
-    """``(grad_gate, grad_up, grad_weight, grad_gate_b, grad_up_b)``: :func:`gated_act_backward`'s
-    two; ``grad_weight = scale * left.T @ h`` [R, I] with h :func:`gated_act_forward`'s, rounded to
-    gate's dtype, as the forward stored it and the unfused backward reads it; ``grad_gate_b =
-    gate_scale * grad_gate.T @ gate_left`` [I, Rg] and ``grad_up_b`` likewise, from the gradients as
-    rounded to gate's dtype. The lefts: [M, R] float32 (float64 under gradcheck), summed over the M
-    tokens in float32 (float64); a None left gives an empty result ([0, I] or [I, 0])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_gate, grad_up, grad_weight)``: :func:`gated_act_backward`'s two, and
+    ``grad_weight = scale * left.T @ h`` [R, I] for left: [M, R] float32 (float64 under gradcheck),
+    summed over the M tokens in float32 (float64). h is :func:`gated_act_forward`'s, rounded to gate's
+    dtype, as the forward stored it and the unfused backward reads it."""
     grad_gate, grad_up = gated_act_backward(grad_h, gate, up, activation)
-    wide = torch.float64 if gate.dtype == torch.float64 else torch.float32
-    n_cols = gate.shape[1]
-    if left is None:
-        grad_weight = gate.new_zeros((0, n_cols), dtype=wide)
-    else:
-        hidden = gated_act_forward(gate, up, activation)
-        grad_weight = (scale * (_wide(left).T @ _wide(hidden))).contiguous()
-    grad_bs = [
-        gate.new_zeros((n_cols, 0), dtype=wide)
-        if side_left is None
-        else (side_scale * (_wide(grad).T @ _wide(side_left))).contiguous()
-        for grad, side_left, side_scale in ((grad_gate, gate_left, gate_scale), (grad_up, up_left, up_scale))
-    ]
-    return grad_gate, grad_up, grad_weight, *grad_bs
+    hidden = gated_act_forward(gate, up, activation)
+    grad_weight = scale * (_wide(left).T @ _wide(hidden))
+    return grad_gate, grad_up, grad_weight.contiguous()
 
 
 def gated_act_lora_forward(
