@@ -94,6 +94,10 @@ def bnb_dequantize(packed: torch.Tensor, quant_state) -> torch.Tensor:
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
     from bitsandbytes.backends.utils import _get_4bit_code
 
+    # bitsandbytes wraps it in torch.compile (functools.wraps keeps the plain function): eager, the
+    # same arithmetic without a compile per shape (dynamo hit its recompile limit here).
+    dequantize_compute = getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)
+
     absmax = quant_state.absmax
     if quant_state.nested:  # as bnb_functional.dequantize_4bit unpacks the nested statistics
         absmax = (
@@ -103,7 +107,7 @@ def bnb_dequantize(packed: torch.Tensor, quant_state) -> torch.Tensor:
     if quant_state.quant_type == "fp4":  # -0.0, as its native kernels give (test_fp4_code_eight_...)
         code[8] = -0.0
     shape, dtype = quant_state.shape, quant_state.dtype
-    return _dequantize_4bit_compute(
+    return dequantize_compute(
         packed.view(torch.uint8).reshape(-1), absmax.float(), code, quant_state.blocksize, shape, dtype
     )
 
