@@ -57,10 +57,10 @@ def build_base(layout: Layout, tmp_path_factory):
         if layout.x_dtype == torch.float32:  # QLoRA's recipe: norms and embeddings upcast to fp32
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         # An input that needs no grad (layer 0's q/k/v) sends bitsandbytes' matmul_4bit, PEFT's base
-        # path, to its inference kernel (gemv_4bit, three calls per step, counted), whose CPU
-        # rounding differs by machine: on an AVX-512 CPU the gradients left this file's fp4 and
-        # fp32x bounds (3.8e-3, 5.1e-3). With every input needing grad, as under gradient
-        # checkpointing, every projection takes its training path (MatMul4Bit).
+        # path, to its inference kernel (gemv_4bit: three calls per step without this line, none
+        # with it, counted on the nf4-fp32x layout), whose CPU rounding differs by machine: on an
+        # AVX-512 CPU the gradients left this file's fp4 and fp32x bounds (3.8e-3, 5.1e-3). With
+        # every input needing grad, as under gradient checkpointing, that kernel is not used.
         model.enable_input_require_grads()
         return model
     return tiny_llama(layout.base_dtype)
