@@ -34,16 +34,30 @@ def base_out_features(base: FrozenBase) -> int:
     return base.quant.shape[0]
 
 
-def materialize_weight(base: FrozenBase, dtype: torch.dtype) -> torch.Tensor:
+def materialize_weight(
+    base: FrozenBase, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The base weight as a dense `[out, in]` tensor of `dtype` (4-bit: dequantized by our kernel).
 
     4-bit weights are dequantized to the dtype bitsandbytes would give (the state's dtype), then cast
     if the compute dtype differs, so the result is bit-identical to bitsandbytes' own path.
+    out: None, or a contiguous `[out, in]` tensor of `dtype` starting at its storage's start (the
+    first rows of a larger buffer) that receives the weight: a 4-bit one is dequantized straight into it.
     """
     if base.quant is None:
         weight = base.weight
     else:
         from ..kernels.dequant4bit import dequantize
 
+        if out is not None and base.quant.dtype == dtype:
+            return dequantize(base.quant, base.weight, dtype, out=out)
         weight = dequantize(base.quant, base.weight, base.quant.dtype)
+    if out is not None:
+        return out.copy_(weight)
     return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def weight_is_materialized_fresh(base: FrozenBase, dtype: torch.dtype) -> bool:
+    """Whether `materialize_weight(base, dtype)` writes a new tensor (4-bit, or another dtype) rather
+    than handing out the stored weight: then writing it into a buffer of the caller's costs nothing more."""
+    return base.quant is not None or base.weight.dtype != dtype

@@ -35,7 +35,14 @@ from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
-from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
+from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
+from .frozen_base import (
+    FrozenBase,
+    LoraWeights,
+    base_out_features,
+    materialize_weight,
+    weight_is_materialized_fresh,
+)
 from .shared_input import (
     hoisted_grad_xa,
     rank_slices,
@@ -156,17 +163,40 @@ def _down_backward_(
     needs_a: bool,
     chunks: Sequence[slice],
 ) -> Optional[torch.Tensor]:
-    """Per chunk of rows: dh, then one fused op that turns it into the gate/up gradients in the saved
-    gate/up buffers themselves and, when dA_down is needed, recomputes h from those rows (before it
-    overwrites them) for h's share of dA_down. Returns dA_down (fp32 `[r, I]`), or None.
+    """down_base as stored (its weight is materialized here, once). Per chunk of rows: dh, then one
+    fused op that turns it into the gate/up gradients in the saved gate/up buffers themselves and,
+    when dA_down is needed, recomputes h from those rows (before it overwrites them) for h's share of
+    dA_down. Returns dA_down (fp32 `[r, I]`), or None.
 
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
     """
     grad_a = None
-    for rows in chunks:
-        grad_hidden = shared_input_grad_x(
-            [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype
+    # dh's LoRA term inside the GEMM's K dimension where that moves fewer bytes (see augmented_k): a
+    # 4-bit down weight is dequantized once, straight into the augmented weight, for all chunks.
+    augmented = weight_is_materialized_fresh(down_base, plan.compute_dtype) and (
+        augmented_member(
+            [down_base], [down_lora], plan, chunks[0].stop - chunks[0].start, gate.device, gate.dtype
         )
+        == 0
+    )
+    if augmented:
+        width = padded_width(base_out_features(down_base), grad_ha.shape[1], gate.device)
+        down_weight = augmented_weight(down_base, [down_lora], plan, width)
+    else:
+        down_base = _dense_base(down_base, plan)
+    for rows in chunks:
+        if augmented:
+            grad_rows = grad_2d[rows]
+            grad_rows = (
+                grad_rows if grad_rows.dtype == plan.compute_dtype else grad_rows.to(plan.compute_dtype)
+            )
+            grad_hidden = augmented_grad_x(grad_rows, grad_ha[rows], down_scale, down_weight)
+            grad_hidden = grad_hidden if grad_hidden.dtype == gate.dtype else grad_hidden.to(gate.dtype)
+        else:
+            grad_hidden = shared_input_grad_x(
+                [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype,
+                allow_augmented=False,  # the weight is materialized: augmenting would copy it per chunk
+            )  # fmt: skip
         # These rows of gate/up hold their gradients afterwards.
         if needs_a:
             # One pass over dh, gate and up instead of three launches that recompute h, read it for
@@ -263,7 +293,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
                 [need_down._replace(lora_a=False)], needs_bases[-1:],
             )  # fmt: skip
             grad_a_down = _down_backward_(
-                gate, up, ctx.activation, grad_2d, grad_ha, down_scale, _dense_base(bases[-1], plan),
+                gate, up, ctx.activation, grad_2d, grad_ha, down_scale, bases[-1],
                 down_lora, plan, need_down.lora_a, ctx.chunks,
             )  # fmt: skip
             if grad_a_down is not None:

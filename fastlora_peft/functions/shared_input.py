@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import lora_addmm, lora_addmm_pays_off
 from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink, lora_weight_grad
+from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
@@ -158,18 +159,34 @@ def shared_input_grad_x(
     plan: DtypePlan,
     x_dtype: torch.dtype,
     with_lora_term: bool = True,
+    allow_augmented: bool = True,
 ) -> torch.Tensor:
     """dX of every projection accumulated in one buffer: sum_i g_i W_i, plus the LoRA terms (unless
     they read another tensor, a dropped-out x: then `lora_input_grad` gives their share).
 
-    The first GEMM carries all the LoRA terms (`lora_addmm`) where `lora_addmm_pays_off` says so;
-    otherwise cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds the terms.
+    One member's GEMM carries all the LoRA terms in its K dimension where `augmented_member` picks
+    one (see `augmented_k`; not with `allow_augmented=False`, for a caller that decided already);
+    else the first GEMM carries them (`lora_addmm`) where `lora_addmm_pays_off` says so; otherwise
+    cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds them.
     """
     grad_x_base = None
-    term_pending = with_lora_term  # until one GEMM (lora_addmm) or the expand-add below adds it
-    for base, grad in zip(bases, grads_2d):
-        weight = materialize_weight(base, plan.compute_dtype)
+    term_pending = with_lora_term  # until one GEMM (augmented, lora_addmm) or the expand-add adds it
+    tokens = grads_2d[0].shape[0]
+    augment = with_lora_term and allow_augmented
+    member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
+    order = range(len(bases)) if member is None else [member, *(i for i in range(len(bases)) if i != member)]
+    for index in order:
+        base, grad = bases[index], grads_2d[index]
         grad_compute = grad if grad.dtype == plan.compute_dtype else grad.to(plan.compute_dtype)
+        if index == member:
+            weight = augmented_weight(
+                base, loras, plan, padded_width(base_out_features(base), grad_xa.shape[1], grad.device)
+            )
+            grad_x_base = augmented_grad_x(grad_compute, grad_xa, lora_scale, weight)
+            term_pending = False
+            del weight, grad_compute
+            continue
+        weight = materialize_weight(base, plan.compute_dtype)
         if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
         elif term_pending and lora_addmm_pays_off(grad_compute, weight, x_dtype):

@@ -121,7 +121,10 @@ def _dequantize_4bit_triton(
     elements_per_program: int = _ELEMENTS_PER_PROGRAM,
     num_warps: int = 4,
     bf16_by_bits: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    # out: a contiguous [rows, cols] out_dtype tensor to write into (the first rows of a larger
+    # buffer, see `dequantize`), 16-byte aligned like a fresh one, so a plan's launch fits it too.
     tensors = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
     plan_key = None
     if _DEQUANTIZE_PLANS.enabled:
@@ -129,10 +132,10 @@ def _dequantize_4bit_triton(
         plan_key = _DEQUANTIZE_PLANS.key(*tensors, *settings, bf16_by_bits)
         plan = _DEQUANTIZE_PLANS.get(plan_key)
         if plan is not None:
-            out = torch.empty((rows, cols), dtype=out_dtype, device=plan.device)
+            out = torch.empty((rows, cols), dtype=out_dtype, device=plan.device) if out is None else out
             plan.launch(*plan.arguments(tensors), out, *plan.sizes)
             return out
-    out = torch.empty((rows, cols), dtype=out_dtype, device=packed.device)
+    out = torch.empty((rows, cols), dtype=out_dtype, device=packed.device) if out is None else out
     numel = rows * cols
     if numel == 0:
         return out
@@ -276,22 +279,28 @@ def _dequantize_4bit_eager(
     rows: int,
     cols: int,
     out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The body of the op ``dequantize_4bit``: checks, then the Triton kernel or the reference."""
+    """The body of the ops ``dequantize_4bit`` and ``dequantize_4bit_``: checks, then the Triton
+    kernel or the reference. out: see `dequantize` (``dequantize_4bit_`` passes it)."""
     _check_dequantize(
         packed, absmax, code, nested_absmax, nested_code, nested_offset,
         blocksize, nested_blocksize, rows, cols, out_dtype,
     )  # fmt: skip
+    if out is not None:
+        _check_out(out, rows, cols, out_dtype, storage_start=True)
     if runs_triton(packed):
         return _dequantize_4bit_triton(
             packed=packed, absmax=absmax, code=code,
             nested_absmax=nested_absmax, nested_code=nested_code, nested_offset=nested_offset,
             blocksize=blocksize, nested_blocksize=nested_blocksize, rows=rows, cols=cols, out_dtype=out_dtype,
+            out=out,
         )  # fmt: skip
-    return reference.dequantize_4bit(
+    weight = reference.dequantize_4bit(
         packed, absmax, code, nested_absmax, nested_code, nested_offset,
         blocksize, nested_blocksize, rows, cols, out_dtype,
-    ).contiguous()  # fmt: skip
+    )  # fmt: skip
+    return weight.contiguous() if out is None else out.copy_(weight)
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::dequantize_4bit", mutates_args=())
@@ -347,6 +356,49 @@ def _(
         blocksize, nested_blocksize, rows, cols, out_dtype,
     )  # fmt: skip
     return packed.new_empty((rows, cols), dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::dequantize_4bit_", mutates_args=("out",))
+def dequantize_4bit_(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    nested_absmax: torch.Tensor | None,
+    nested_code: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    blocksize: int,
+    nested_blocksize: int,
+    rows: int,
+    cols: int,
+) -> None:
+    """`dequantize_4bit` written into ``out`` (contiguous [rows, cols], its dtype the output dtype,
+    starting where its storage starts): see `dequantize`."""
+    _dequantize_4bit_eager(
+        packed, absmax, code, nested_absmax, nested_code, nested_offset,
+        blocksize, nested_blocksize, rows, cols, out.dtype, out=out,
+    )  # fmt: skip
+
+
+@dequantize_4bit_.register_fake
+def _(
+    out,
+    packed,
+    absmax,
+    code,
+    nested_absmax,
+    nested_code,
+    nested_offset,
+    blocksize,
+    nested_blocksize,
+    rows,
+    cols,
+):
+    _check_dequantize(
+        packed, absmax, code, nested_absmax, nested_code, nested_offset,
+        blocksize, nested_blocksize, rows, cols, out.dtype,
+    )  # fmt: skip
+    _check_out(out, rows, cols, out.dtype, storage_start=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -460,11 +512,17 @@ class Quant4bitState(NamedTuple):
 
 
 def dequantize(
-    state: Quant4bitState, packed: torch.Tensor, out_dtype: torch.dtype | None = None
+    state: Quant4bitState,
+    packed: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense [rows, cols] weight. out_dtype defaults to ``state.dtype``, the bit-exact choice.
 
     packed: the ``Params4bit`` itself or its data, any quant_storage dtype.
+    out: None, or a contiguous [rows, cols] tensor of out_dtype that starts where its storage does (the
+    first rows of a larger buffer: the augmented dX weight, `functions/augmented_k.py`) to write the
+    weight into (through ``fastlora::dequantize_4bit_`` where the op dispatches).
 
     Under torch.compile, a dispatch mode (fake tensors, tracing) or a tensor subclass this calls the
     library op ``fastlora::dequantize_4bit``; on plain tensors in eager mode it runs the op's body
@@ -479,6 +537,21 @@ def dequantize(
         state.blocksize, state.nested_blocksize, state.rows, state.cols,
         state.dtype if out_dtype is None else out_dtype,
     )  # fmt: skip
-    if skips_op_dispatch(packed, state.absmax, state.nested_absmax):
-        return _dequantize_4bit_eager(*args)
-    return dequantize_4bit(*args)
+    if skips_op_dispatch(packed, state.absmax, state.nested_absmax, out):
+        return _dequantize_4bit_eager(*args, out=out)
+    if out is None:
+        return dequantize_4bit(*args)
+    dequantize_4bit_(out, *args[:-1])
+    return out
+
+
+def _check_out(out: torch.Tensor, rows: int, cols: int, out_dtype: torch.dtype, storage_start: bool) -> None:
+    """storage_start: also check that out starts where its storage does (a real tensor: not under
+    torch.compile's tracing, where reading the offset would break the graph)."""
+    if out.shape != (rows, cols) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(
+            f"dequantize: out must be a contiguous [{rows}, {cols}] {out_dtype} tensor, "
+            f"got {list(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    if storage_start and out.storage_offset() != 0:
+        raise ValueError("dequantize: out must start where its storage starts (the kernel's alignment)")

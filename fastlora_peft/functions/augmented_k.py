@@ -1,0 +1,127 @@
+"""dX with the LoRA term inside one base GEMM's reduction (K) dimension, where that moves fewer bytes.
+
+    dX = sum_i g_i @ W_i + s * (g B) @ A          (g B: every member's side by side, scales applied)
+       = [g_j | s g B | 0] @ [W_j ; A ; 0] + sum_{i != j} g_i @ W_i
+
+For one member j the GEMM's K grows from out_j to out_j + r, padded to a multiple of 64 on CUDA
+(cuBLAS chose a kernel 10% slower for K = 4112 than for 4160 on an H200). In place of the
+expand-add's read and write of dX (`[tokens, in]`), it costs a read of g_j and a write of the
+`[tokens, K_pad]` left operand (`lora_augmented_left`), and A's rows under W_j: free where W_j is
+written anyway (a 4-bit weight dequantized for this GEMM straight into the buffer, or a weight cast
+to the compute dtype), a copy of W_j otherwise. `augmented_member` decides by those costs: at
+Llama-3.1-8B shapes it picks a q/k/v group's k projection, o_proj (a dense one from a few thousand
+tokens on) and the MLP's down projection (dh; 4-bit only: a dense down weight would be copied, 112
+MiB), never gate/up (out > in). `python -m benchmarks.augmented_k_probe` (H200, bf16 base, fp32
+adapters, GEMM and term together): q/k/v through k at 8192 tokens 180 -> 117 us, o_proj 446 -> 395,
+one 2048-row chunk of dh 353 -> 327.
+
+Numerics: the term's operands, s gB and A, are rounded to the compute dtype before cuBLAS multiplies
+them (fp32 accumulation); the expand-add read them in fp32 and rounded the sum once. That adds the
+compute dtype's rounding of the term alone, below dX's own rounding. fp16 is left out (s gB may
+overflow in fp16 where the fp32 path does not); float64 (gradcheck) takes it, exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..dtypes import DtypePlan
+from ..kernels.lora_augment import lora_augmented_left
+from .frozen_base import (
+    FrozenBase,
+    LoraWeights,
+    base_out_features,
+    materialize_weight,
+    weight_is_materialized_fresh,
+)
+
+_AUGMENTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+# K padded to a multiple of this many elements: 128 bytes of bf16 rows on CUDA. Elsewhere (the CPU
+# tests) a smaller multiple, so the padding is still there and exercised at tiny shapes.
+_K_ALIGN_CUDA, _K_ALIGN_OTHER = 64, 8
+
+# What an expand-add over dX costs, in copies of dX (see `augmented_member`).
+_EXPAND_ADD_COPIES = 2
+
+# Zero rows under A in the augmented weight, by (rows, in_features, dtype, device): never written.
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def padded_width(out_features: int, rank: int, device: torch.device) -> int:
+    """K of the augmented GEMM: out + r rounded up to the alignment."""
+    align = _K_ALIGN_CUDA if device.type == "cuda" else _K_ALIGN_OTHER
+    return -(-(out_features + rank) // align) * align
+
+
+def augmented_member(
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    plan: DtypePlan,
+    tokens: int,
+    device: torch.device,
+    grad_dtype: torch.dtype,
+) -> Optional[int]:
+    """The member whose dX GEMM should carry the LoRA terms in its K dimension, or None (expand-add).
+
+    grad_dtype: the dtype dX is handed out in (x's). Only where it is the compute dtype: the GEMM
+    rounds dX, term included, to the compute dtype, where the expand-add writes a wider dX (fp32
+    activations on a bf16 base) with the term at that precision; an NF4 model with fp32 x measured
+    its first q_proj's dA 4.0e-3 from float64 that way, against 3e-3 allowed (`test_model_parity`).
+    Cost in elements written: member j's left operand, tokens * K_pad (a copy of g_j; the kernel ran
+    at copy speed), plus out_j * in to copy W_j when it is not written anyway; the expand-add,
+    `_EXPAND_ADD_COPIES` times tokens * in: with its rank-r dot it took about two copies' time
+    (H200, 8192 x 4096 bf16, rank 16: 76-81 us against 37 for the left operand of the same size).
+    """
+    if plan.compute_dtype not in _AUGMENTED_DTYPES or grad_dtype != plan.compute_dtype:
+        return None
+    rank = sum(lora.lora_a.shape[0] for lora in loras)
+    in_features = loras[0].lora_a.shape[1]
+    best, best_cost = None, _EXPAND_ADD_COPIES * tokens * in_features
+    for index, base in enumerate(bases):
+        out_features = base_out_features(base)
+        cost = tokens * padded_width(out_features, rank, device)
+        if not weight_is_materialized_fresh(base, plan.compute_dtype):
+            cost += out_features * in_features
+        if cost < best_cost:
+            best, best_cost = index, cost
+    return best
+
+
+def augmented_weight(
+    base: FrozenBase, loras: Sequence[LoraWeights], plan: DtypePlan, width: int
+) -> torch.Tensor:
+    """`[W ; A_1 ; ... ; A_P ; 0]`, `[width, in]` of the compute dtype: W written (dequantized) into its
+    first rows, the adapters' A rounded to the compute dtype under it, zeros to `width`."""
+    out_features = base_out_features(base)
+    lora_a = loras[0].lora_a
+    rank = sum(lora.lora_a.shape[0] for lora in loras)
+    weight = torch.empty((width, lora_a.shape[1]), dtype=plan.compute_dtype, device=lora_a.device)
+    materialize_weight(base, plan.compute_dtype, out=weight[:out_features])
+    tail = [lora.lora_a for lora in loras]
+    if width > out_features + rank:
+        tail.append(
+            _zero_rows(width - out_features - rank, lora_a.shape[1], plan.compute_dtype, lora_a.device)
+        )
+    torch.cat(tail, dim=0, out=weight[out_features:])
+    return weight
+
+
+def augmented_grad_x(
+    grad: torch.Tensor, grad_xa: torch.Tensor, scale: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """`[grad | scale * grad_xa | 0] @ weight` (`weight` from `augmented_weight`), in grad's dtype."""
+    return lora_augmented_left(grad, grad_xa, scale, weight.shape[0]) @ weight
+
+
+def _zero_rows(rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a cached tensor would become a graph constant and a guard
+        return torch.zeros((rows, columns), dtype=dtype, device=device)
+    key = (rows, columns, dtype, device)
+    zeros = _ZERO_ROWS.get(key)
+    if zeros is None:
+        if len(_ZERO_ROWS) >= 64:  # a handful of shapes per model
+            _ZERO_ROWS.clear()
+        zeros = _ZERO_ROWS[key] = torch.zeros((rows, columns), dtype=dtype, device=device)
+    return zeros

@@ -1,0 +1,243 @@
+"""dX's LoRA term inside one base GEMM's K dimension (`functions/augmented_k.py`, `kernels/lora_augment.py`).
+
+The kernel against its definition; the rule at Llama-3.1-8B shapes; and, for a q/k/v group and a
+gated MLP on 4-bit bases (and a dense q/k/v group with enough tokens), pins that the augmented GEMM
+made dX (its left operand built once, no expand-add in backward) with gradients as close to float64
+as the expand-add path's, which a dropped scale, a missing term or a wrong member breaks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TRITON_INTERPRET, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastlora_peft.dtypes import DtypePlan
+from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materialize_weight
+from fastlora_peft.functions.gated_mlp import GatedMlpSettings, fused_gated_mlp
+from fastlora_peft.functions.shared_input import fused_lora_projections
+from fastlora_peft.kernels.lora_augment import lora_augmented_left
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+AUGMENTED_OP, EXPAND_OP = "fastlora.lora_augmented_left", "fastlora.lora_expand_add_"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+def test_augmented_left_is_grad_then_scaled_grad_xa_then_zeros(dtype, device, triton_launches):
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(37, 50, generator=generator).to(device, dtype)[:, 3:43]  # a column slice
+    grad_xa = torch.randn(9, 37, generator=generator).to(device).T  # token-major fp32, as the shrink's
+    out = lora_augmented_left(grad, grad_xa, 1.7, 56)
+    if TRITON_INTERPRET or device == "cuda":
+        assert triton_launches.get("_lora_augmented_left_kernel") == 1, triton_launches
+    assert out.shape == (37, 56) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out[:, :40], grad)
+    # Rounded once from fp32 (the interpreter truncates to bf16 where torch rounds to nearest).
+    expected = 1.7 * grad_xa
+    assert rel_err(out[:, 40:49].float(), expected) < 2 * torch.finfo(dtype).eps
+    assert torch.equal(out[:, 49:], torch.zeros_like(out[:, 49:]))
+
+
+def _meta_base(out_features, in_features, dtype=BF16, quantized=False) -> FrozenBase:
+    if quantized:
+        quant = SimpleNamespace(shape=torch.Size((out_features, in_features)), dtype=dtype)
+        return FrozenBase(torch.empty(0, dtype=torch.uint8, device="meta"), None, quant)
+    return FrozenBase(torch.empty(out_features, in_features, dtype=dtype, device="meta"), None, None)
+
+
+def _meta_lora(out_features, in_features, rank=16, dtype=FP32) -> LoraWeights:
+    a = torch.empty(rank, in_features, dtype=dtype, device="meta")
+    return LoraWeights(a, torch.empty(out_features, rank, dtype=dtype, device="meta"), 2.0)
+
+
+def test_rule_at_llama_shapes():
+    cuda, bf16_plan = torch.device("cuda"), DtypePlan(BF16, BF16)
+    assert augmented_k.padded_width(4096, 16, cuda) == 4160
+    assert augmented_k.padded_width(1024, 48, cuda) == 1088
+    for quantized in (False, True):
+        qkv = [_meta_base(n, 4096, quantized=quantized) for n in (4096, 1024, 1024)]
+        qkv_loras = [_meta_lora(n, 4096) for n in (4096, 1024, 1024)]
+        for tokens in (2048, 8192):  # k, the first of the two narrowest
+            assert augmented_k.augmented_member(qkv, qkv_loras, bf16_plan, tokens, cuda, BF16) == 1
+        o = ([_meta_base(4096, 4096, quantized=quantized)], [_meta_lora(4096, 4096)])
+        assert augmented_k.augmented_member(*o, bf16_plan, 8192, cuda, BF16) == 0  # out == in
+        # A dense o_proj's weight copy pays from a few thousand tokens on; a 4-bit one's is free.
+        expected = 0 if quantized else None
+        assert augmented_k.augmented_member(*o, bf16_plan, 2048, cuda, BF16) == expected
+        gate_up = [_meta_base(14336, 4096, quantized=quantized) for _ in range(2)]
+        gate_up_loras = [_meta_lora(14336, 4096) for _ in range(2)]
+        assert augmented_k.augmented_member(gate_up, gate_up_loras, bf16_plan, 8192, cuda, BF16) is None
+        assert augmented_k.augmented_member(qkv, qkv_loras, DtypePlan(FP16, FP16), 8192, cuda, FP16) is None
+    # dh: a 4-bit down weight is written anyway; a dense one would be copied, at any chunk size.
+    down_lora = [_meta_lora(4096, 14336)]
+    nf4_down = [_meta_base(4096, 14336, quantized=True)]
+    assert augmented_k.augmented_member(nf4_down, down_lora, bf16_plan, 2048, cuda, BF16) == 0
+    dense_down = [_meta_base(4096, 14336)]
+    assert augmented_k.augmented_member(dense_down, down_lora, bf16_plan, 2048, cuda, BF16) is None
+    # fp32 activations on a bf16 base: dX is fp32, the expand-add keeps the term at that precision.
+    assert augmented_k.augmented_member(nf4_down, down_lora, bf16_plan, 2048, cuda, FP32) is None
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[f"{func.namespace}.{func.overloadpacket.__name__}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _projection(in_features, out_features, rank, scale, dtype, adapter_dtype, quantized, generator, device):
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(
+        device, dtype
+    )
+    base = FrozenBase(weight, None, None)
+    if quantized:
+        import bitsandbytes.functional as bnb_functional
+
+        from fastlora_peft.kernels.dequant4bit import Quant4bitState
+
+        packed, state = bnb_functional.quantize_4bit(
+            weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
+        base = FrozenBase(packed, None, Quant4bitState.from_bnb(state, packed))
+    # lora_B random and of the same size as the base's contribution: a wrong term cannot hide.
+    lora_a = (torch.randn(rank, in_features, generator=generator) / in_features**0.5).to(
+        device, adapter_dtype
+    )
+    lora_b = torch.randn(out_features, rank, generator=generator).to(device, adapter_dtype)
+    return base, LoraWeights(lora_a.requires_grad_(), lora_b.requires_grad_(), scale)
+
+
+def _linear64(x, weight, lora):
+    return x @ weight.T + lora.scale * (x @ lora.lora_a.T) @ lora.lora_b.T
+
+
+def _float64_grads(x, bases, loras, run64, grad_outs):
+    """Gradients of x and every adapter through `run64` in float64, on the weights the Function sees."""
+    x64 = x.detach().double().requires_grad_()
+    weights = [materialize_weight(base, FP32).double() for base in bases]
+    loras64 = [
+        LoraWeights(
+            lora.lora_a.detach().double().requires_grad_(),
+            lora.lora_b.detach().double().requires_grad_(),
+            lora.scale,
+        )
+        for lora in loras
+    ]
+    outputs = run64(x64, weights, loras64)
+    torch.autograd.backward(outputs, [g.double() for g in grad_outs])
+    return [x64.grad] + [t.grad for lora in loras64 for t in (lora.lora_a, lora.lora_b)]
+
+
+def _fused_grads(x, loras, outputs, grad_outs):
+    tensors = [x] + [t for lora in loras for t in (lora.lora_a, lora.lora_b)]
+    return torch.autograd.grad(outputs, tensors, grad_outs)
+
+
+def _qkv(x, bases, loras, plan):
+    return fused_lora_projections(x, bases, loras, plan)
+
+
+def _qkv64(x, weights, loras):
+    return [_linear64(x, w, lora) for w, lora in zip(weights, loras)]
+
+
+def _mlp(x, bases, loras, plan):
+    return (fused_gated_mlp(x, bases, loras, plan, "silu"),)
+
+
+def _mlp64(x, weights, loras):
+    gate, up = (_linear64(x, w, lora) for w, lora in zip(weights[:2], loras[:2]))
+    return [_linear64(F.silu(gate) * up, weights[2], loras[2])]
+
+
+# (run, run64, [(in, out, rank, scale)], tokens, the member whose GEMM should carry the term)
+CASES = {
+    "qkv": (_qkv, _qkv64, [(128, 128, 4, 0.5), (128, 64, 3, 1.5), (128, 64, 5, 0.75)], 21, 1),
+    # dh: the down projection's (64 out, 128 in); gate/up's dX is not augmented (out > in).
+    "mlp": (_mlp, _mlp64, [(64, 128, 3, 0.5), (64, 128, 2, 1.5), (128, 64, 5, 1.25)], 21, 0),
+    # A dense group with enough tokens that copying k's weight is cheaper than a pass over dX.
+    "qkv-dense": (_qkv, _qkv64, [(64, 64, 4, 0.5), (64, 16, 3, 1.5), (64, 16, 5, 0.75)], 200, 1),
+}
+# (x and base dtype, adapter dtype, 4-bit base)
+LAYOUTS = {
+    "nf4-bf16-adapters": (BF16, BF16, True),
+    "nf4-fp32-adapters": (BF16, FP32, True),
+    "bf16-fp32-adapters": (BF16, FP32, False),
+    "fp32": (FP32, FP32, False),
+}
+CASE_LAYOUTS = [
+    ("qkv", "nf4-bf16-adapters"),
+    ("qkv", "nf4-fp32-adapters"),
+    ("mlp", "nf4-bf16-adapters"),
+    ("mlp", "nf4-fp32-adapters"),
+    ("qkv-dense", "bf16-fp32-adapters"),
+    ("qkv-dense", "fp32"),
+]
+
+
+def _run_case(case, layout_id, augmented: bool, monkeypatch, device="cpu"):
+    run, run64, shapes, tokens, _ = CASES[case]
+    dtype, adapter_dtype, quantized = LAYOUTS[layout_id]
+    generator = torch.Generator().manual_seed(3)
+    pairs = [_projection(*shape, dtype, adapter_dtype, quantized, generator, device) for shape in shapes]
+    bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
+    x = torch.randn(tokens, shapes[0][0], generator=generator).to(device, dtype).requires_grad_()
+    plan = DtypePlan(dtype, dtype)
+    with monkeypatch.context() as patch:
+        if not augmented:  # the expand-add path, for comparison
+            for module in (shared_input, gated_mlp):
+                patch.setattr(module, "augmented_member", lambda *args: None)
+        outputs = run(x, bases, loras, plan)
+        grad_outs = [torch.randn(out.shape, generator=generator).to(device, out.dtype) for out in outputs]
+        with _OpCounter() as counter:
+            grads = _fused_grads(x, loras, outputs, grad_outs)
+    expected = _float64_grads(x, bases, loras, run64, grad_outs)
+    return grads, expected, counter.ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case,layout_id", CASE_LAYOUTS)
+def test_augmented_dx_is_taken_and_as_exact_as_the_expand_add(
+    case, layout_id, device, monkeypatch, triton_launches
+):
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", 2**30)  # one chunk
+    grads, expected, ops = _run_case(case, layout_id, True, monkeypatch, device)
+    plain_grads, _, plain_ops = _run_case(case, layout_id, False, monkeypatch, device)
+    # The pin: one augmented left operand, and no expand-add left in the backward for the term
+    # the augmented GEMM carries (the MLP's gate/up dX still takes one).
+    assert ops[AUGMENTED_OP] == 1, ops
+    assert ops[EXPAND_OP] == plain_ops[EXPAND_OP] - 1, (ops, plain_ops)
+    assert plain_ops[AUGMENTED_OP] == 0
+    if TRITON_INTERPRET or device == "cuda":
+        assert triton_launches.get("_lora_augmented_left_kernel", 0) == 1, triton_launches
+    names = ["x"] + [f"{kind}{i}" for i in range(len(grads) // 2) for kind in ("A", "B")]
+    for name, grad, plain, reference in zip(names, grads, plain_grads, expected):
+        error, plain_error = rel_err(grad, reference), rel_err(plain, reference)
+        # Only dX's term is rounded differently (its operands to the compute dtype): every gradient
+        # stays within the expand-add path's error, with a margin of the compute dtype's rounding.
+        margin = 1e-6 if LAYOUTS[layout_id][0] == FP32 else 4e-3
+        assert error <= 1.5 * plain_error + margin, f"{name}: {error:.2e} against {plain_error:.2e}"
+
+
+def test_chunked_mlp_builds_the_augmented_weight_once(monkeypatch):
+    # Three chunks of 7 rows: the 4-bit down weight is dequantized once into the augmented weight,
+    # each chunk builds its left operand, and the result matches the one-chunk run.
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", 2**30)
+    whole, _, _ = _run_case("mlp", "nf4-fp32-adapters", True, monkeypatch)
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", 7 * 128 * 2)
+    chunked, _, ops = _run_case("mlp", "nf4-fp32-adapters", True, monkeypatch)
+    assert ops[AUGMENTED_OP] == 3, ops
+    assert ops["fastlora.dequantize_4bit_"] == 1, ops  # down's weight, into the augmented buffer
+    for name, a, b in zip(range(len(whole)), chunked, whole):
+        assert rel_err(a, b) <= 1e-6, name
