@@ -171,13 +171,14 @@ def _down_backward_(
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
     """
     grad_a = None
-    # dh's LoRA term inside the GEMM's K dimension where that moves fewer bytes (see augmented_k): a
-    # 4-bit down weight is dequantized once, straight into the augmented weight, for all chunks.
-    augmented = weight_is_materialized_fresh(down_base, plan.compute_dtype) and (
-        augmented_member(
-            [down_base], [down_lora], plan, chunks[0].stop - chunks[0].start, gate.device, gate.dtype
-        )
-        == 0
+    # dh's LoRA term inside the GEMM's K dimension where that costs less (see augmented_k): a 4-bit
+    # down weight is dequantized straight into the augmented weight. One chunk only: beside each
+    # chunk's dh the left operand (16 MiB at 2048 rows) raised the NF4 MLP's peak at 8192 tokens
+    # (four chunks) from 692 to 702 MiB (H200, `benchmarks.run --cases blocks`), over the 700 allowed.
+    augmented = (
+        len(chunks) == 1
+        and weight_is_materialized_fresh(down_base, plan.compute_dtype)
+        and augmented_member([down_base], [down_lora], plan, chunks[0].stop, gate.device, gate.dtype) == 0
     )
     if augmented:
         width = padded_width(base_out_features(down_base), grad_ha.shape[1], gate.device)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
-from ..kernels.lora_addmm import lora_addmm, lora_addmm_pays_off
+from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off
 from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink, lora_weight_grad
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
@@ -172,7 +172,8 @@ def shared_input_grad_x(
     grad_x_base = None
     term_pending = with_lora_term  # until one GEMM (augmented, lora_addmm) or the expand-add adds it
     tokens = grads_2d[0].shape[0]
-    augment = with_lora_term and allow_augmented
+    # lora_addmm forced ("always", its tests and probes) keeps the term it was asked to carry.
+    augment = with_lora_term and allow_augmented and LoraAddmmSettings.mode != "always"
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
     order = range(len(bases)) if member is None else [member, *(i for i in range(len(bases)) if i != member)]
     for index in order:
