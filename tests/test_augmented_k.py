@@ -174,7 +174,10 @@ LAYOUTS = {
     "nf4-bf16-adapters": (BF16, BF16, True),
     "nf4-fp32-adapters": (BF16, FP32, True),
     "bf16-fp32-adapters": (BF16, FP32, False),
+    "bf16": (BF16, BF16, False),
     "fp32": (FP32, FP32, False),
+    "fp16": (FP16, FP16, False),
+    "fp32-adapters-on-fp16": (FP16, FP32, False),
 }
 CASE_LAYOUTS = [
     ("qkv", "nf4-bf16-adapters"),
@@ -182,6 +185,7 @@ CASE_LAYOUTS = [
     ("mlp", "nf4-bf16-adapters"),
     ("mlp", "nf4-fp32-adapters"),
     ("qkv-dense", "bf16-fp32-adapters"),
+    ("qkv-dense", "bf16"),
     ("qkv-dense", "fp32"),
 ]
 
@@ -224,10 +228,19 @@ def test_augmented_dx_is_taken_and_as_exact_as_the_expand_add(
     names = ["x"] + [f"{kind}{i}" for i in range(len(grads) // 2) for kind in ("A", "B")]
     for name, grad, plain, reference in zip(names, grads, plain_grads, expected):
         error, plain_error = rel_err(grad, reference), rel_err(plain, reference)
-        # Only dX's term is rounded differently (its operands to the compute dtype): every gradient
-        # stays within the expand-add path's error, with a margin of the compute dtype's rounding.
-        margin = 1e-6 if LAYOUTS[layout_id][0] == FP32 else 4e-3
-        assert error <= 1.5 * plain_error + margin, f"{name}: {error:.2e} against {plain_error:.2e}"
+        # Only dX's term is rounded differently (its operands to the compute dtype). With lora_B as
+        # large as here (the term about the size of the base's part) that measured 3.0-3.3e-3 from
+        # float64 for a 16-bit dX against 2.1e-3 by the expand-add, and 4.6e-3 against 3.0e-3 for
+        # gate's dA behind dh; fp32 adapters' dA/dB of q/k/v unchanged (~2e-7). The project's rule
+        # for the fused path against PEFT, at most twice the error, bounds it against the old path.
+        assert error <= 2 * plain_error + 1e-6, f"{name}: {error:.2e} against {plain_error:.2e}"
+
+
+@pytest.mark.parametrize("layout_id", ["fp16", "fp32-adapters-on-fp16"])
+def test_fp16_keeps_the_expand_add(layout_id, monkeypatch):
+    # s gB rounded to fp16 could overflow where the expand-add's fp32 term does not.
+    _, _, ops = _run_case("qkv-dense", layout_id, True, monkeypatch)
+    assert ops[AUGMENTED_OP] == 0 and ops[EXPAND_OP] == 1, ops
 
 
 def test_several_mlp_chunks_keep_the_expand_add(monkeypatch):

@@ -186,13 +186,8 @@ def _down_backward_(
     else:
         down_base = _dense_base(down_base, plan)
     for rows in chunks:
-        if augmented:
-            grad_rows = grad_2d[rows]
-            grad_rows = (
-                grad_rows if grad_rows.dtype == plan.compute_dtype else grad_rows.to(plan.compute_dtype)
-            )
-            grad_hidden = augmented_grad_x(grad_rows, grad_ha[rows], down_scale, down_weight)
-            grad_hidden = grad_hidden if grad_hidden.dtype == gate.dtype else grad_hidden.to(gate.dtype)
+        if augmented:  # taken only where out, dh and the compute dtype are one dtype: no casts
+            grad_hidden = augmented_grad_x(grad_2d[rows], grad_ha[rows], down_scale, down_weight)
         else:
             grad_hidden = shared_input_grad_x(
                 [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype,
