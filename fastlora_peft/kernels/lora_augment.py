@@ -5,9 +5,10 @@
 ``lora_augmented_left(grad, grad_xa, scale, width)`` writes ``[grad | scale * grad_xa | 0]``, an
 [M, width] tensor of grad's dtype, in one pass: grad copied, the fp32 ``grad_xa`` (``g @ B``, from
 ``lora_shrink``, token-major) scaled and rounded once, zeros up to ``width`` (the GEMM's K padded to a
-multiple of 64 elements: cuBLAS picked a kernel 10% slower for K = 4112 than for 4160 on an H200,
-`benchmarks.augmented_k_probe`). torch's copy into the column slice of a wider buffer ran at about
-1.1 TB/s there (30 us for a [2048, 4096] bf16 g), which ate what the augmented GEMM saves.
+multiple of 64 elements: on an H200 the GEMM of one 2048-row chunk of dh took 30-50 us (10-17%)
+longer at K = 4112 than at 4160, the copy's time subtracted, `benchmarks.augmented_k_probe`).
+torch's copy into the column slice of a wider buffer ran at about 1.1 TB/s there (30 us for a
+[2048, 4096] bf16 g), which ate what the augmented GEMM saves.
 
 A ``torch.library`` custom op (``fastlora::lora_augmented_left``) with a fake implementation; the
 Triton kernel runs when ``runs_triton`` says so, the reference (``lora_augment_reference``) otherwise.
