@@ -109,7 +109,13 @@ def _time_iterations(step: Step, clock: Clock, repeats: int) -> list[tuple[float
 
 
 def time_side_by_side(
-    steps: dict[str, Step], clock: Clock, *, warmup: int, repeats: int, rounds: int
+    steps: dict[str, Step],
+    clock: Clock,
+    *,
+    warmup: int,
+    repeats: int,
+    rounds: int,
+    order: Callable[[list[str], int], list[str]] | None = None,
 ) -> dict[str, Timing]:
     """Times every step in turn, `rounds` times over, so a drift of clocks or temperature hits all alike.
 
@@ -122,14 +128,18 @@ def time_side_by_side(
 
     Warm-up is by iterations, not milliseconds: the first calls compile and autotune Triton kernels
     and create cuBLAS handles, which must stay out of the numbers whatever they cost.
+
+    order: the order of round `round_index` (default `round_order`; `balanced_round_order` puts every
+    step in every position equally often).
     """
+    order = order or round_order
     for step in steps.values():
         for _ in range(warmup):
             run_once(step)
     clock.synchronize()
     samples: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in steps}
     for round_index in range(rounds):
-        for name in round_order(list(steps), round_index):
+        for name in order(list(steps), round_index):
             samples[name].append(_time_iterations(steps[name], clock, repeats))
     return {name: _summarize(per_round) for name, per_round in samples.items()}
 
@@ -137,6 +147,21 @@ def time_side_by_side(
 def round_order(names: list[str], round_index: int) -> list[str]:
     """The order the steps are timed in round `round_index`: as given in even rounds, reversed in odd."""
     return names if round_index % 2 == 0 else names[::-1]
+
+
+def balanced_round_order(names: list[str], round_index: int) -> list[str]:
+    """Rounds 2k and 2k + 1: the names rotated left by k, then that reversed. Over 2 * len(names)
+    rounds every name takes every position twice.
+
+    For A/B tools comparing arms of one model (`plans_ab`): with `round_order` the middle one of
+    three steps is always in the middle. Balancing did not remove what looked like a position effect
+    there: with both arms on the same path, host-bound o_proj and q/k/v rows still read 5-7% apart
+    (`docs/benchmarks/session16/augmented_ab_*`), inside their 20-70% spreads: such rows cannot show
+    a difference that small.
+    """
+    shift = (round_index // 2) % max(len(names), 1)
+    rotated = names[shift:] + names[:shift]
+    return rotated if round_index % 2 == 0 else rotated[::-1]
 
 
 def _summarize(per_round: list[list[tuple[float, float]]]) -> Timing:

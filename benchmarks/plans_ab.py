@@ -1,30 +1,57 @@
-"""Launch plans on and off in one process: each fused block's step, alternating, beside the floor.
+"""A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--tokens 8192] [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32]
+python -m benchmarks.plans_ab [--switch plans|augmented] [--tokens 8192] [--blocks o,qkv,mlp]
+    [--bases bf16,nf4] [--adapters fp32]
 
-The blocks the plans are for (o_proj, q/k/v) are host-bound, and their host time moves by tens of
-percent between processes and machines, so a before/after of `LaunchPlans` is only readable inside
-one process: the same fused model runs with `LaunchPlans.enabled` True ("plans") and False
-("no_plans"), interleaved round by round with the floor by `harness.time_side_by_side`.
+The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
+processes and machines, so a before/after of a switch is only readable inside one process: the same
+fused model runs with the switch on and off, interleaved round by round with the floor by
+`harness.time_side_by_side`, each step in each position of a round equally often over 6 rounds
+(`harness.balanced_round_order`). Host-bound rows spread by 20-70% between rounds on the H200
+machine: with both arms on the same path they still read 5-12% apart, so a smaller difference
+there is not a result (`docs/benchmarks/session16/`).
+
+Switches: `plans`, `LaunchPlans.enabled` ("plans" / "no_plans"); `augmented`, dX's LoRA term inside
+a base GEMM's K where `augmented_member` picks one, against the expand-add everywhere ("augmented" /
+"no_augmented"; `functions/augmented_k.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
+from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels._launch import LaunchPlans
 
 from . import cases
-from .harness import Clock, Step, time_side_by_side
+from .harness import Clock, Step, balanced_round_order, time_side_by_side
 
 
-def with_plans(step: Step, enabled: bool) -> Step:
-    """The same step, with launch plans switched on or off for its forward and backward."""
+def set_plans(enabled: bool) -> None:
+    LaunchPlans.enabled = enabled
+
+
+def _no_member(*args) -> None:
+    return None
+
+
+def set_augmented(enabled: bool) -> None:
+    """The Functions' own name for the rule, so the backward they run next reads the switch."""
+    rule = augmented_k.augmented_member if enabled else _no_member
+    shared_input.augmented_member = gated_mlp.augmented_member = rule
+
+
+SWITCHES: dict[str, Callable[[bool], None]] = {"plans": set_plans, "augmented": set_augmented}
+
+
+def with_switch(step: Step, switch: Callable[[bool], None], enabled: bool) -> Step:
+    """The same step, with the switch set for its forward and the backward that follows it."""
 
     def forward():
-        LaunchPlans.enabled = enabled
+        switch(enabled)
         return step.forward()
 
     return Step(forward=forward, backward=step.backward, reset=step.reset)
@@ -32,27 +59,35 @@ def with_plans(step: Step, enabled: bool) -> Step:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--switch", default="plans", choices=sorted(SWITCHES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--blocks", default="o,qkv,mlp")
     parser.add_argument("--bases", default="bf16")
     parser.add_argument("--adapters", default="fp32", choices=sorted(cases.ADAPTER_DTYPES))
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6, help="6 puts each arm in each place twice")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves it runs)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     geo = cases.SMOKE if args.smoke else cases.LLAMA_8B
-    default = LaunchPlans.enabled
+    switch, arm = SWITCHES[args.switch], args.switch
+    plans_default = LaunchPlans.enabled  # off under the Triton interpreter
     for base in args.bases.split(","):
         for block in args.blocks.split(","):
             layout = (base, args.adapters, args.tokens, device)
             floor = cases.one_layer_block_step(geo, block, "floor", *layout)
             fused = cases.one_layer_block_step(geo, block, "fastlora", *layout)
-            steps = {"floor": floor, "plans": with_plans(fused, True), "no_plans": with_plans(fused, False)}
+            steps = {
+                "floor": floor,
+                arm: with_switch(fused, switch, True),
+                f"no_{arm}": with_switch(fused, switch, False),
+            }
             timings = time_side_by_side(
-                steps, Clock(device), warmup=5, repeats=args.repeats, rounds=args.rounds
-            )
-            LaunchPlans.enabled = default
+                steps, Clock(device), warmup=5, repeats=args.repeats, rounds=args.rounds,
+                order=balanced_round_order,
+            )  # fmt: skip
+            set_augmented(True)
+            LaunchPlans.enabled = plans_default
             floor_ms = timings["floor"].step_ms
             columns = [
                 f"{name} {t.step_ms:.3f} ms ({t.step_ms / floor_ms:.2f}x, spread {t.spread_pct:.0f}%)"

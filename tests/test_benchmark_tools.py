@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -37,14 +39,38 @@ def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
     assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
 
 
-def test_plans_ab_times_both_arms_beside_the_floor():
+@pytest.mark.parametrize("switch", ["plans", "augmented"])
+def test_plans_ab_times_both_arms_beside_the_floor(switch):
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
-    command += ["--repeats", "1", "--rounds", "1"]
+    command += ["--repeats", "1", "--rounds", "1", "--switch", switch]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("o ")]
-    assert "floor" in line and "plans" in line and "no_plans" in line, line
+    assert "floor" in line and f" {switch} " in line and f"no_{switch}" in line, line
+
+
+def test_augmented_switch_reaches_the_functions_rule_and_restores_it():
+    from benchmarks import plans_ab
+    from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
+
+    try:
+        plans_ab.set_augmented(False)
+        assert shared_input.augmented_member is gated_mlp.augmented_member is plans_ab._no_member
+    finally:
+        plans_ab.set_augmented(True)
+    assert shared_input.augmented_member is gated_mlp.augmented_member is augmented_k.augmented_member
+
+
+def test_balanced_rounds_put_every_step_in_every_place_alike():
+    from benchmarks.harness import balanced_round_order
+
+    names = ["floor", "on", "off"]
+    orders = [balanced_round_order(names, index) for index in range(6)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for place in range(3):
+        assert sorted(order[place] for order in orders) == sorted(names * 2), orders
+    assert orders[:2] == [names, names[::-1]]
 
 
 def test_rounds_alternate_the_order_of_the_steps():

@@ -21,6 +21,7 @@ from fastlora_peft.kernels import (
     dequant4bit_reference,
     gated_act_lora,
     gated_act_reference,
+    lora_augment,
     lora_terms,
 )
 from fastlora_peft.kernels import gated_act_lora_forward as gated_forward
@@ -69,7 +70,8 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(_launch.CachedKernel, "launch", counting_launch)
     all_plans = (lora_terms._SHRINK_PLANS, lora_terms._EXPAND_ADD_PLANS, lora_terms._WEIGHT_GRAD_PLANS)
     gated_plans = (gated_forward._FORWARD_PLANS, gated_act_lora._WEIGHT_GRAD_PLANS)
-    for plans in (*all_plans, *gated_plans, dequant4bit._DEQUANTIZE_PLANS):
+    other_plans = (dequant4bit._DEQUANTIZE_PLANS, lora_augment._AUGMENTED_LEFT_PLANS)
+    for plans in (*all_plans, *gated_plans, *other_plans):
         monkeypatch.setattr(plans, "plans", {})
     return calls
 
@@ -285,6 +287,12 @@ def _gated_weight_grad_op_inputs(seed):
     )  # fmt: skip
 
 
+def _augmented_left_op_inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    grad, grad_xa = _randn(generator, 33, 70), _matrix(generator, 33, 5, torch.float32, True)
+    return dict(grad=grad, grad_xa=grad_xa, scale=0.25 + seed, width=80)
+
+
 # (op, the module holding its checks and `runs_triton`, the check function, inputs by seed)
 OP_CASES = {
     "lora_shrink": (lora_terms.lora_shrink, lora_terms, "_check_shrink", _shrink_op_inputs),
@@ -303,6 +311,9 @@ OP_CASES = {
     "gated_act_backward_weight_grad_": (
         gated_act_lora.gated_act_backward_weight_grad_, gated_act_lora, "_check_weight_grad_inputs",
         _gated_weight_grad_op_inputs,
+    ),
+    "lora_augmented_left": (
+        lora_augment.lora_augmented_left, lora_augment, "_check_augmented_left", _augmented_left_op_inputs,
     ),
 }  # fmt: skip
 

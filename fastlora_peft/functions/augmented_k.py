@@ -8,12 +8,14 @@ For one member j the GEMM's K grows from out_j to out_j + r, padded to a multipl
 expand-add's read and write of dX (`[tokens, in]`), it costs a read of g_j and a write of the
 `[tokens, K_pad]` left operand (`lora_augmented_left`), and A's rows under W_j: free where W_j is
 written anyway (a 4-bit weight dequantized for this GEMM straight into the buffer, or a weight cast
-to the compute dtype), a copy of W_j otherwise. `augmented_member` decides by those costs: at
-Llama-3.1-8B shapes it picks a q/k/v group's k projection, o_proj (a dense one from a few thousand
-tokens on) and the MLP's down projection (dh; 4-bit only: a dense down weight would be copied, 112
-MiB), never gate/up (out > in). `python -m benchmarks.augmented_k_probe` (H200, bf16 base, fp32
-adapters, GEMM and term together): q/k/v through k at 8192 tokens 180 -> 117 us, o_proj 446 -> 395,
-one 2048-row chunk of dh 353 -> 327.
+to the compute dtype), a copy of W_j otherwise; and two host ops more. `augmented_member` decides
+by those costs (see there): at Llama-3.1-8B shapes, from about 5k tokens on, a q/k/v group's k
+projection; o_proj and a 4-bit down projection's dh (the MLP's, one chunk only) from larger sizes;
+never gate/up (out > in). `python -m benchmarks.augmented_k_probe` (H200, bf16 base, fp32 adapters,
+GEMM and term together): q/k/v through k at 8192 tokens 180 -> 117 us, o_proj 446 -> 395, one
+2048-row chunk of dh 353 -> 327; inside a q/k/v step at 8192 tokens 58-64 us less kernel time,
+while o_proj's was 10 us less (4-bit) or 35 more (dense, the weight copy), and its host time 40-60
+us more (`docs/benchmarks/session16/aug_diag_8192.log`).
 
 Numerics: the term's operands, s gB and A, are rounded to the compute dtype before cuBLAS multiplies
 them (fp32 accumulation); the expand-add read them in fp32 and rounded the sum once. That adds the
@@ -44,8 +46,16 @@ _AUGMENTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 # tests) a smaller multiple, so the padding is still there and exercised at tiny shapes.
 _K_ALIGN_CUDA, _K_ALIGN_OTHER = 64, 8
 
-# What an expand-add over dX costs, in copies of dX (see `augmented_member`).
-_EXPAND_ADD_COPIES = 2
+# What an expand-add over dX costs, in copies of dX: 1 + rank / 32 for the (summed) rank of its dot.
+# H200, [8192, 4096] bf16: 49-53 us at rank 16, 78 us at a q/k/v group's rank 48, against 32-34 us
+# for the [8192, 4160] left operand (`docs/benchmarks/session16/aug_diag_8192.log`).
+_EXPAND_ADD_RANK_PER_COPY = 32
+# The augmented path's extra host time, in elements of a copy of the same time: it makes two host ops
+# more than the expand-add (the weight buffer, the left operand's allocation) and measured 40-60 us
+# more host time per o_proj or q/k/v step on the H200 machine (same log). A host-bound step (o_proj,
+# q/k/v, anything at 2048 tokens) pays it in full, so the GEMM carries the term only where it saves
+# more GPU time than that (about 1 ns per element copied there).
+_HOST_COST_ELEMENTS = 40 * 2**20
 
 # Zero rows under A in the augmented weight, by (rows, in_features, dtype, device): never written.
 _ZERO_ROWS: dict[tuple, torch.Tensor] = {}
@@ -71,17 +81,20 @@ def augmented_member(
     rounds dX, term included, to the compute dtype, where the expand-add writes a wider dX (fp32
     activations on a bf16 base) with the term at that precision; an NF4 model with fp32 x measured
     its first q_proj's dA 4.0e-3 from float64 that way, against 3e-3 allowed (`test_model_parity`).
-    Cost in elements written: member j's left operand, tokens * K_pad (a copy of g_j; the kernel ran
+    Cost in elements copied: member j's left operand, tokens * K_pad (a copy of g_j; the kernel ran
     at copy speed), plus out_j * in to copy W_j when it is not written anyway; the expand-add,
-    `_EXPAND_ADD_COPIES` times tokens * in: with its rank-r dot it took about two copies' time
-    (H200, 8192 x 4096 bf16, rank 16: 56-82 us, mm plus expand-add minus the mm alone in three probe
-    runs, against 37 us for the left operand of about the same size).
+    tokens * in * (1 + rank / `_EXPAND_ADD_RANK_PER_COPY`). The augmented path must save more than
+    `_HOST_COST_ELEMENTS` (its extra host time). At Llama-3.1-8B shapes, rank 16, that leaves a q/k/v
+    group (rank 48, through k) from about 5k tokens on, o_proj from about 21k (4-bit) or 29k (dense)
+    and a 4-bit down projection's dh from about 4k rows; at 8192 tokens a dense o_proj saved nothing on
+    the GPU (its weight copy) and a 4-bit one 10-15 us, against 40-60 us more host time.
     """
     if plan.compute_dtype not in _AUGMENTED_DTYPES or grad_dtype != plan.compute_dtype:
         return None
     rank = sum(lora.lora_a.shape[0] for lora in loras)
     in_features = loras[0].lora_a.shape[1]
-    best, best_cost = None, _EXPAND_ADD_COPIES * tokens * in_features
+    expand_add_cost = tokens * in_features * (1 + rank / _EXPAND_ADD_RANK_PER_COPY)
+    best, best_cost = None, expand_add_cost - _HOST_COST_ELEMENTS
     for index, base in enumerate(bases):
         out_features = base_out_features(base)
         cost = tokens * padded_width(out_features, rank, device)
@@ -101,12 +114,16 @@ def augmented_weight(
     lora_a = loras[0].lora_a
     rank = sum(lora.lora_a.shape[0] for lora in loras)
     weight = torch.empty((width, lora_a.shape[1]), dtype=plan.compute_dtype, device=lora_a.device)
-    materialize_weight(base, plan.compute_dtype, out=weight[:out_features])
     tail = [lora.lora_a for lora in loras]
     if width > out_features + rank:
         tail.append(
             _zero_rows(width - out_features - rank, lora_a.shape[1], plan.compute_dtype, lora_a.device)
         )
+    if base.quant is None:
+        # A dense weight is copied: with A's rows and the zeros in the same cat, one op (this is host
+        # time on every backward that takes the augmented path, and o_proj's and q/k/v's are host-bound).
+        return torch.cat([base.weight, *tail], dim=0, out=weight)
+    materialize_weight(base, plan.compute_dtype, out=weight[:out_features])
     torch.cat(tail, dim=0, out=weight[out_features:])
     return weight
 

@@ -16,13 +16,15 @@ Triton kernel runs when ``runs_triton`` says so, the reference (``lora_augment_r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from fastlora_peft.kernels import lora_augment_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import CachedKernel, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -70,18 +72,49 @@ _BLOCK_M, _BLOCK_N = 16, 256
 def _lora_augmented_left_triton(
     grad: torch.Tensor, grad_xa: torch.Tensor, scale: float, width: int, *, block_m=_BLOCK_M, block_n=_BLOCK_N
 ) -> torch.Tensor:
+    plan_key = None
+    if block_m == _BLOCK_M and block_n == _BLOCK_N and _AUGMENTED_LEFT_PLANS.enabled:
+        plan_key = _AUGMENTED_LEFT_PLANS.key(grad, grad_xa, width)
+        plan = _AUGMENTED_LEFT_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_augmented_left_plan(plan, grad, grad_xa, scale)
     tokens, out_features = grad.shape
     rank = grad_xa.shape[1]
     out = torch.empty((tokens, width), dtype=grad.dtype, device=grad.device)
     if out.numel() == 0:
         return out
     grid = (cdiv(width, block_n), cdiv(tokens, block_m))
-    _lora_augmented_left_kernel[grid](
-        grad, grad_xa, out,
-        tokens, out_features, rank, width, float(scale),
-        grad.stride(0), grad.stride(1), grad_xa.stride(0), grad_xa.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
-    )  # fmt: skip
+    sizes = (tokens, out_features, rank, width)
+    strides = (grad.stride(0), grad.stride(1), grad_xa.stride(0), grad_xa.stride(1), out.stride(0))
+    bound = _lora_augmented_left_kernel[grid](
+        grad, grad_xa, out, *sizes, float(scale), *strides, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4
+    )
+    if plan_key is not None and bound is not None:
+        _AUGMENTED_LEFT_PLANS.add(
+            plan_key, _AugmentedLeftPlan(bound, grad.dtype, grad.device, sizes, strides)
+        )
+    return out
+
+
+class _AugmentedLeftPlan(NamedTuple):
+    """What `_lora_augmented_left_triton` derived from its inputs' metadata, to launch the same again."""
+
+    launch: BoundLaunch
+    dtype: torch.dtype
+    device: torch.device
+    sizes: tuple[int, ...]  # tokens, out_features, rank, width
+    strides: tuple[int, ...]
+
+
+# Every fused backward that takes the augmented path launches this once: planned like the LoRA terms'
+# launches (`_launch.LaunchPlans`), so a repeat skips the launcher's key and its input checks.
+_AUGMENTED_LEFT_PLANS = LaunchPlans("lora_augmented_left")
+
+
+def _run_augmented_left_plan(plan: _AugmentedLeftPlan, grad, grad_xa, scale) -> torch.Tensor:
+    tokens, width = plan.sizes[0], plan.sizes[3]
+    out = torch.empty((tokens, width), dtype=plan.dtype, device=plan.device)
+    plan.launch(grad, grad_xa, out, *plan.sizes, float(scale), *plan.strides)
     return out
 
 
@@ -117,6 +150,10 @@ def _lora_augmented_left_body(
 ) -> torch.Tensor:
     """grad: [M, N] any float dtype and strides; grad_xa: [M, R] float32, any strides; width >= N + R.
     Returns [M, width] of grad's dtype, contiguous; ``scale * grad_xa`` is rounded once."""
+    if _AUGMENTED_LEFT_PLANS.serve(grad):  # a plan's key holds what the checks read (lora_terms)
+        plan = _AUGMENTED_LEFT_PLANS.get(_AUGMENTED_LEFT_PLANS.key(grad, grad_xa, width))
+        if plan is not None:
+            return _run_augmented_left_plan(plan, grad, grad_xa, scale)
     _check_augmented_left(grad, grad_xa, width)
     if runs_triton(grad) and grad_xa.dtype == torch.float32:
         return _lora_augmented_left_triton(grad, grad_xa, scale, width)
