@@ -1,7 +1,7 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
 python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit | --gated
-                                     | --gated-forward]
+                                     | --gated-forward | --split-shrink]
 
 Per shape: the default, then the fastest configs.
 
@@ -51,6 +51,31 @@ def tune_shrink(k: int, rank: int, weight_dtype: torch.dtype) -> None:
         except Exception as error:  # out of shared memory / registers for this config
             print(f"  skip m={block_m} k={block_k}: {type(error).__name__}")
     _report(f"shrink K={k} R={rank} w={str(weight_dtype)[6:]}", default, results, x.numel() * 2)
+
+
+def tune_split_shrink(rows: int, k: int, rank: int, transposed: bool) -> None:
+    """The shrink with a bf16 activation and an fp32 weight (the split dot, PEFT's default adapters):
+    the forward's x @ A.T, or (transposed) the backward's dY @ B with lora_B.T read as it is. Prints the
+    same shape's time with a bf16 weight first, the speed the split dot is measured against."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(k, rank, device="cuda").t() if transposed else torch.randn(rank, k, device="cuda")
+    native = _bench(lambda: lt._lora_shrink_triton(x=x, weight=weight.to(torch.bfloat16)))
+    default = _bench(lambda: lt._lora_shrink_triton(x=x, weight=weight))
+    results = []
+    for block_m, block_k, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)):
+
+        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
+            lt._lora_shrink_triton(
+                x=x, weight=weight, block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages
+            )
+
+        config = dict(m=block_m, k=block_k, w=warps, s=stages)
+        try:
+            results.append((_bench(launch), config))
+        except Exception as error:  # out of shared memory / registers for this config
+            print(f"  skip {config}: {type(error).__name__}")
+    name = f"split shrink M={rows} K={k} R={rank}{' B.T' if transposed else ''} (bf16 weight {native:.1f}us)"
+    _report(name, default, results, x.numel() * 2)
 
 
 def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
@@ -223,6 +248,16 @@ def main() -> None:
         (4096, 16, bf16),
         (4096, 64, bf16),
     )
+    if "--split-shrink" in sys.argv:
+        # The shrinks of an 8B training step with fp32 adapters: x @ A.T of q/k/v, gate/up and o, dY @ B
+        # of q (and o, down), of k/v, and of one 2048-row chunk of the MLP (down's x @ A.T, gate's dY @ B).
+        for rows, k, rank, transposed in (
+            (8192, 4096, 48, False), (8192, 4096, 32, False), (8192, 4096, 16, False),
+            (8192, 4096, 16, True), (8192, 1024, 16, True),
+            (2048, 14336, 16, False), (2048, 14336, 16, True),
+        ):  # fmt: skip
+            tune_split_shrink(rows, k, rank, transposed)
+        return
     if "--gated-forward" in sys.argv:
         for dtype in (bf16, fp32):
             tune_gated_lora_forward(dtype)

@@ -115,6 +115,16 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
     _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32, tol)
 
 
+@pytest.mark.parametrize("layout", ["contig", "transposed"])
+def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout):
+    # A q/k/v group's stacked A (rank 48) takes its own tiles and warps with the split dot (lora_terms'
+    # _WIDE_SPLIT_LAUNCH); the ranks above have one tile of at most 16.
+    x, weight = _make(130, 70, BF16, layout), _make(48, 70, FP32, layout)
+    _check_op(
+        "lora_shrink", (x, weight, SCALE), SCALE * (x.double() @ weight.double().T), FP32, SPLIT_TOLERANCE
+    )
+
+
 @pytest.mark.parametrize("base_dtype, right_dtype, shape, layout", _case_params())
 def test_lora_expand_add(base_dtype, right_dtype, shape, layout):
     M, N, R = shape

@@ -241,6 +241,11 @@ _SHRINK_TILES = {
     # read 32us before it (`docs/benchmarks/session9/dot_modes_probe_1_with_tiles.log`): noise there.
     SPLIT_DOT: (64, 64),
 }
+# The split dot over a 64-wide rank tile (a q/k/v group's stacked A, rank 48):
+# 128 x 64 tiles, 8 warps, 3 stages took 51.5us at M=8192, K=4096 against 67.2us for the 64 x 64
+# default with 4 warps and 4 stages (a bf16 weight: 39.3us); at ranks 16 and 32 those tiles were no
+# faster (H200, `python -m benchmarks.tune_lora_terms --split-shrink`, session16/tune_split_shrink.log).
+_WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
 def _lora_shrink_triton(
@@ -252,10 +257,13 @@ def _lora_shrink_triton(
     block_m: int | None = None,
     block_k: int | None = None,
     block_r: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
     plan_key = None
     defaults = split is None and block_m is None and block_k is None and block_r is None
+    defaults = defaults and num_warps is None and num_stages is None
     if defaults and _SHRINK_PLANS.enabled:
         plan_key = _shrink_plan_key(x, weight)
         plan = _SHRINK_PLANS.get(plan_key)
@@ -280,7 +288,11 @@ def _lora_shrink_triton(
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
     block_r = block_r or _rank_block(R, cap=128)
     default_m, default_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
+    default_warps, default_stages = 8 if block_r > 64 else 4, 4
+    if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
+        default_m, default_k, default_warps, default_stages = _WIDE_SPLIT_LAUNCH
     block_m, block_k = block_m or default_m, block_k or default_k
+    num_warps, num_stages = num_warps or default_warps, num_stages or default_stages
     row_blocks = cdiv(M, block_m)
     if split is None:
         # Fewer row blocks than SMs (a few thousand tokens, a chunk of the MLP's down projection):
@@ -305,7 +317,7 @@ def _lora_shrink_triton(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
         DOT_PRECISION=dot_precision(x.dtype, weight.dtype), DOT_MODE=mode, SPLIT=split > 1,
-        num_warps=8 if block_r > 64 else 4, num_stages=4,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
         _SHRINK_PLANS.add(plan_key, _ShrinkPlan(
