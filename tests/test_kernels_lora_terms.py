@@ -116,13 +116,30 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
 
 
 @pytest.mark.parametrize("layout", ["contig", "transposed"])
-def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout):
+def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout, monkeypatch):
     # A q/k/v group's stacked A (rank 48) takes its own tiles and warps with the split dot (lora_terms'
-    # _WIDE_SPLIT_LAUNCH); the ranks above have one tile of at most 16.
+    # _WIDE_SPLIT_LAUNCH); the ranks above have one tile of at most 16. Pinned: the launch it makes.
+    from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans
+
+    monkeypatch.setattr(LaunchPlans, "enabled", False)  # the launcher's decision, not a plan's replay
+    metas = []
+    launch = CachedKernel.launch
+    monkeypatch.setattr(
+        CachedKernel,
+        "launch",
+        lambda self, grid, args, meta: metas.append(meta) or launch(self, grid, args, meta),
+    )
     x, weight = _make(130, 70, BF16, layout), _make(48, 70, FP32, layout)
     _check_op(
         "lora_shrink", (x, weight, SCALE), SCALE * (x.double() @ weight.double().T), FP32, SPLIT_TOLERANCE
     )
+    if EXPECT_TRITON:
+        names = ("BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
+        expected = dict(zip(names, lora_terms._WIDE_SPLIT_LAUNCH))
+        assert metas, "the shrink made no launch"
+        for meta in metas:
+            assert meta["DOT_MODE"] == dots.SPLIT_DOT and meta["BLOCK_R"] == 64, meta
+            assert {name: meta[name] for name in names} == expected, meta
 
 
 @pytest.mark.parametrize("base_dtype, right_dtype, shape, layout", _case_params())
