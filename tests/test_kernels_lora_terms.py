@@ -115,20 +115,29 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
     _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32, tol)
 
 
-@pytest.mark.parametrize("layout", ["contig", "transposed"])
-def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout, monkeypatch):
-    # A q/k/v group's stacked A (rank 48) takes its own tiles and warps with the split dot (lora_terms'
-    # _WIDE_SPLIT_LAUNCH); the ranks above have one tile of at most 16. Pinned: the launch it makes.
+def _recorded_launches(monkeypatch) -> list[tuple]:
+    """(kernel name, args, meta) of every launch as the launchers decide it: plans off (a plan would
+    replay an earlier decision; tests/test_launch_plans.py pins that it passes what the launcher would)."""
     from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans
 
-    monkeypatch.setattr(LaunchPlans, "enabled", False)  # the launcher's decision, not a plan's replay
-    metas = []
+    monkeypatch.setattr(LaunchPlans, "enabled", False)
+    launches = []
     launch = CachedKernel.launch
     monkeypatch.setattr(
         CachedKernel,
         "launch",
-        lambda self, grid, args, meta: metas.append(meta) or launch(self, grid, args, meta),
+        lambda self, grid, args, meta: (
+            launches.append((self.name, args, meta)) or launch(self, grid, args, meta)
+        ),
     )
+    return launches
+
+
+@pytest.mark.parametrize("layout", ["contig", "transposed"])
+def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout, monkeypatch):
+    # A q/k/v group's stacked A (rank 48) takes its own tiles and warps with the split dot (lora_terms'
+    # _WIDE_SPLIT_LAUNCH); the ranks above have one tile of at most 16. Pinned: the launch it makes.
+    launches = _recorded_launches(monkeypatch)
     x, weight = _make(130, 70, BF16, layout), _make(48, 70, FP32, layout)
     _check_op(
         "lora_shrink", (x, weight, SCALE), SCALE * (x.double() @ weight.double().T), FP32, SPLIT_TOLERANCE
@@ -136,8 +145,8 @@ def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout, monkeypatch):
     if EXPECT_TRITON:
         names = ("BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
         expected = dict(zip(names, lora_terms._WIDE_SPLIT_LAUNCH))
-        assert metas, "the shrink made no launch"
-        for meta in metas:
+        assert launches, "the shrink made no launch"
+        for _, _, meta in launches:
             assert meta["DOT_MODE"] == dots.SPLIT_DOT and meta["BLOCK_R"] == 64, meta
             assert {name: meta[name] for name in names} == expected, meta
 
@@ -271,18 +280,8 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     # precision each launch of the shrink, the weight gradient, the expand-add and the gated kernels
     # gets, so a launcher that stops asking `dot_mode` (a silent 2x slowdown on the GPU) fails here.
     from fastlora_peft.kernels import gated_act_lora, gated_act_lora_forward
-    from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans
 
-    # What the launchers decide, so every launch through it (a plan would replay an earlier decision;
-    # tests/test_launch_plans.py pins that a planned launch passes what the launcher would).
-    monkeypatch.setattr(LaunchPlans, "enabled", False)
-    launches = []
-    launch = CachedKernel.launch
-    monkeypatch.setattr(
-        CachedKernel,
-        "launch",
-        lambda self, grid, args, meta: launches.append((self.name, meta)) or launch(self, grid, args, meta),
-    )
+    launches = _recorded_launches(monkeypatch)
     x = _make(37, 70, x_dtype, "contig")
     weight = _make(5, 70, w_dtype, "contig")
     left = _make(37, 5, FP32, "contig")
@@ -293,7 +292,7 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     right = _make(70, 5, w_dtype, "contig")
     gated_act_lora_forward.gated_act_lora_forward_(gate, up, "silu", left, right, SCALE, left, right, SCALE)
     gated_act_lora.gated_act_backward_weight_grad_(x.clone(), gate, up, "silu", left, SCALE)
-    seen = {name: meta for name, meta in launches}
+    seen = {name: meta for name, _, meta in launches}
     split = x_dtype == BF16  # a bf16 activation against an fp32 tile (every weight gradient's left)
     if x_dtype == w_dtype:  # 16-bit pair: as loaded on a GPU; the interpreter multiplies fp32 only
         shrink_mode = dots.NATIVE_DOT if DEVICE == "cuda" else dots.FP32_DOT
@@ -313,23 +312,15 @@ def test_shrink_copies_a_transposed_fp32_weight_only_for_tf32x3(x_dtype, monkeyp
     # g @ B in every backward of PEFT's default layout reads lora_b.T (fp32, rank dim contiguous).
     # 3xTF32 dots want it copied K-contiguous (3x faster there); the split dot reads it as it is,
     # and a copy would cost one more op's host time per projection.
-    from fastlora_peft.kernels._launch import CachedKernel, LaunchPlans
-
-    monkeypatch.setattr(LaunchPlans, "enabled", False)  # the launcher's decision, not a plan's replay
-    weights = []
-    launch = CachedKernel.launch
-    monkeypatch.setattr(
-        CachedKernel,
-        "launch",
-        lambda self, grid, args, meta: weights.append(args[1]) or launch(self, grid, args, meta),
-    )
+    launches = _recorded_launches(monkeypatch)
     x = _make(37, 70, x_dtype, "contig")
     lora_b_t = _make(70, 5, FP32, "contig").T
     got = lora_terms.lora_shrink(x, lora_b_t)
     assert_rel_close(
         got, x.double() @ lora_b_t.double().T, SPLIT_TOLERANCE if x_dtype == BF16 else TOLERANCE[FP32]
     )
-    (launched,) = weights
+    ((_, args, _),) = launches
+    launched = args[1]
     if x_dtype == BF16:
         assert launched is lora_b_t
     else:
