@@ -50,6 +50,21 @@ def test_plans_ab_times_both_arms_beside_the_floor(switch):
     assert "floor" in line and f" {switch} " in line and f"no_{switch}" in line, line
 
 
+def test_wide_split_probe_is_as_exact_as_the_library_split_shrink():
+    """The probe's one-dot split (benchmarks/wide_split_probe.py) under the interpreter, with and
+    without K splits: its timings on a GPU mean something only if it computes the same shrink."""
+    command = [sys.executable, "-m", "benchmarks.wide_split_probe", "--smoke"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [
+        float(line.split("error ")[1].split()[0]) for line in done.stdout.splitlines() if "error" in line
+    ]
+    assert len(errors) == 4, done.stdout
+    # The library's split shrink measured ~6e-8 here; a part dropped from the split gives ~1e-5.
+    assert max(errors) < 1e-6, done.stdout
+
+
 def test_augmented_switch_reaches_the_functions_rule_and_restores_it():
     from benchmarks import plans_ab
     from fastlora_peft.functions import augmented_k, gated_mlp, shared_input

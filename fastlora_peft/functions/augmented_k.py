@@ -14,8 +14,8 @@ projection; o_proj and a 4-bit down projection's dh (the MLP's, one chunk only) 
 never gate/up (out > in). `python -m benchmarks.augmented_k_probe` (H200, bf16 base, fp32 adapters,
 GEMM and term together): q/k/v through k at 8192 tokens 180 -> 117 us, o_proj 446 -> 395, one
 2048-row chunk of dh 353 -> 327; inside a q/k/v step at 8192 tokens 58-64 us less kernel time,
-while o_proj's was 10 us less (4-bit) or 35 more (dense, the weight copy), and its host time 40-60
-us more (`docs/benchmarks/session16/aug_diag_8192.log`).
+while o_proj's was 10 us less on a 4-bit base and none less on a dense one (its left operand and
+weight copy, 50 us, against the expand-add's 53; `docs/benchmarks/session16/aug_diag_8192.log`).
 
 Numerics: the term's operands, s gB and A, are rounded to the compute dtype before cuBLAS multiplies
 them (fp32 accumulation); the expand-add read them in fp32 and rounded the sum once. That adds the
@@ -50,11 +50,12 @@ _K_ALIGN_CUDA, _K_ALIGN_OTHER = 64, 8
 # H200, [8192, 4096] bf16: 49-53 us at rank 16, 78 us at a q/k/v group's rank 48, against 32-34 us
 # for the [8192, 4160] left operand (`docs/benchmarks/session16/aug_diag_8192.log`).
 _EXPAND_ADD_RANK_PER_COPY = 32
-# The augmented path's extra host time, in elements of a copy of the same time: it makes two host ops
-# more than the expand-add (the weight buffer, the left operand's allocation) and measured 40-60 us
-# more host time per o_proj or q/k/v step on the H200 machine (same log). A host-bound step (o_proj,
-# q/k/v, anything at 2048 tokens) pays it in full, so the GEMM carries the term only where it saves
-# more GPU time than that (about 1 ns per element copied there).
+# The augmented path's extra host time, in elements of a copy of the same time (about 1 ns each on
+# the H200): it makes two host ops more than the expand-add (the weight buffer, the left operand's
+# allocation). Host alone read 38-58 us more per o_proj or q/k/v step in three of four rows (same
+# log), a measurement whose identical arms also read up to 15% apart; 40 us it is. A host-bound step
+# (o_proj, q/k/v, anything at 2048 tokens) pays it in full, so the GEMM carries the term only where
+# it saves more GPU time than that.
 _HOST_COST_ELEMENTS = 40 * 2**20
 
 # Zero rows under A in the augmented weight, by (rows, in_features, dtype, device): never written.
@@ -87,7 +88,7 @@ def augmented_member(
     `_HOST_COST_ELEMENTS` (its extra host time). At Llama-3.1-8B shapes, rank 16, that leaves a q/k/v
     group (rank 48, through k) from about 5k tokens on, o_proj from about 21k (4-bit) or 29k (dense)
     and a 4-bit down projection's dh from about 4k rows; at 8192 tokens a dense o_proj saved nothing on
-    the GPU (its weight copy) and a 4-bit one 10-15 us, against 40-60 us more host time.
+    the GPU (its weight copy) and a 4-bit one 10 us.
     """
     if plan.compute_dtype not in _AUGMENTED_DTYPES or grad_dtype != plan.compute_dtype:
         return None
