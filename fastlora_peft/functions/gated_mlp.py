@@ -175,6 +175,7 @@ def _down_backward_(
     # down weight is dequantized straight into the augmented weight. One chunk only: beside each
     # chunk's dh the left operand (16 MiB at 2048 rows) raised the NF4 MLP's peak at 8192 tokens
     # (four chunks) from 692 to 702 MiB (H200, `benchmarks.run --cases blocks`), over the 700 allowed.
+    # At Llama-8B sizes the rule's host term leaves a one-chunk (2048-row) dh on the expand-add too.
     augmented = (
         len(chunks) == 1
         and weight_is_materialized_fresh(down_base, plan.compute_dtype)
