@@ -11,9 +11,10 @@ middle, low, zeros) and makes one dot per K step, so x's tile feeds one dot inst
 accumulator keeps each part's sum apart and adds them once at the end. Same K splits (`split_sum`).
 
 Printed per shape: the library's split shrink, the same shape with a bf16 weight (the native dot,
-what the split should approach), and the probe's tiles, each timed twice: `do_bench` (L2 flushed)
-and back to back (`--repeat` calls between two CUDA events, x partly in L2 as it is in training),
-with the probe's error against float64 beside the library's. `--smoke` runs tiny shapes under
+what the split should approach), and the probe's four fastest tiles, each timed three ways:
+`do_bench` (L2 flushed), back to back (`--repeat` calls between two CUDA events), and right after a
+write of x (as in training, where the op before wrote it; the write's own time subtracted), with
+the probe's error against float64. `--smoke` runs tiny shapes under
 `TRITON_INTERPRET=1` on the CPU (correctness only: tests/test_benchmark_tools.py).
 
 Not measured yet (written at the end of the sixteenth session, which had no device time left).
@@ -128,11 +129,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def _times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """(do_bench median with L2 flushed, mean of `repeat` back-to-back calls), microseconds."""
-    from triton.testing import do_bench
-
-    flushed = do_bench(fn, warmup=5, rep=30) * 1e3
+def _events_us(fn: Callable[[], object], repeat: int) -> float:
+    """Mean time of `repeat` back-to-back calls of `fn` between two CUDA events, microseconds."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -140,7 +138,21 @@ def _times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
         fn()
     end.record()
     torch.cuda.synchronize()
-    return flushed, start.elapsed_time(end) / repeat * 1e3
+    return start.elapsed_time(end) / repeat * 1e3
+
+
+def _times(fn: Callable[[], object], x: torch.Tensor, repeat: int) -> tuple[float, float, float]:
+    """(do_bench median with L2 flushed, back to back, right after x was written), microseconds.
+
+    The last is as in training, where x (or dY) was just written by the op before: each call follows
+    a copy into x, whose own time (timed alone the same way) is subtracted.
+    """
+    from triton.testing import do_bench
+
+    source = x.clone()
+    copy_us = _events_us(lambda: x.copy_(source), repeat)
+    after_write = _events_us(lambda: (x.copy_(source), fn()), repeat) - copy_us
+    return do_bench(fn, warmup=5, rep=30) * 1e3, _events_us(fn, repeat), after_write
 
 
 def main() -> None:
@@ -178,25 +190,26 @@ def main() -> None:
 
 
 def time_shape(name, x, weight, truth, library_error, configs, repeat) -> None:
-    split_us = _times(lambda: lora_terms.lora_shrink(x, weight), repeat)
+    split_us = _times(lambda: lora_terms.lora_shrink(x, weight), x, repeat)
     native_weight = weight.to(torch.bfloat16)
-    native_us = _times(lambda: lora_terms.lora_shrink(x, native_weight), repeat)
+    native_us = _times(lambda: lora_terms.lora_shrink(x, native_weight), x, repeat)
     print(
-        f"{name}: library split {split_us[0]:.1f} / {split_us[1]:.1f} us (flushed / back to back), "
-        f"native bf16 weight {native_us[0]:.1f} / {native_us[1]:.1f}, error {library_error:.1e}",
+        f"{name} (us: L2 flushed / back to back / after a write of x): library split "
+        f"{' / '.join(f'{t:.1f}' for t in split_us)}, native bf16 weight "
+        f"{' / '.join(f'{t:.1f}' for t in native_us)}, library error {library_error:.1e}",
         flush=True,
     )
     results = []
     for config in configs:
         try:
             error = _rel(wide_split_shrink(x, weight, **config), truth)
-            flushed, warm = _times(lambda config=config: wide_split_shrink(x, weight, **config), repeat)
+            times = _times(lambda config=config: wide_split_shrink(x, weight, **config), x, repeat)
         except Exception as failure:  # out of shared memory or registers for this config
             print(f"  skip {config}: {type(failure).__name__}", flush=True)
             continue
-        results.append((warm, flushed, error, config))
-    for warm, flushed, error, config in sorted(results, key=lambda item: item[0])[:4]:
-        print(f"  wide {config}: {flushed:.1f} / {warm:.1f} us, error {error:.1e}", flush=True)
+        results.append((times, error, config))
+    for times, error, config in sorted(results, key=lambda item: item[0][2])[:4]:
+        print(f"  wide {config}: {' / '.join(f'{t:.1f}' for t in times)}, error {error:.1e}", flush=True)
 
 
 if __name__ == "__main__":
