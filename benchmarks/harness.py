@@ -156,8 +156,8 @@ def balanced_round_order(names: list[str], round_index: int) -> list[str]:
     For A/B tools comparing arms of one model (`plans_ab`): with `round_order` the middle one of
     three steps is always in the middle. Balancing did not remove what looked like a position effect
     there: with both arms on the same path, host-bound o_proj and q/k/v rows still read 5-7% apart
-    (`docs/benchmarks/session16/augmented_ab_*`), inside their 20-70% spreads: such rows cannot show
-    a difference that small.
+    with it, up to 12% without (`docs/benchmarks/session16/augmented_ab_*`), inside their 20-70%
+    spreads: such rows cannot show a difference that small.
     """
     shift = (round_index // 2) % max(len(names), 1)
     rotated = names[shift:] + names[:shift]

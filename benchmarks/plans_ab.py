@@ -8,7 +8,7 @@ processes and machines, so a before/after of a switch is only readable inside on
 fused model runs with the switch on and off, interleaved round by round with the floor by
 `harness.time_side_by_side`, each step in each position of a round equally often over 6 rounds
 (`harness.balanced_round_order`). Host-bound rows spread by 20-70% between rounds on the H200
-machine: with both arms on the same path they still read 5-12% apart, so a smaller difference
+machine: with both arms on the same path they still read up to 12% apart, so a smaller difference
 there is not a result (`docs/benchmarks/session16/`).
 
 Switches: `plans`, `LaunchPlans.enabled` ("plans" / "no_plans"); `augmented`, dX's LoRA term inside
