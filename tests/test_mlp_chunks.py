@@ -262,8 +262,8 @@ def test_chunks_under_other_dtype_layouts(monkeypatch, call_rows, mlp_layout, la
     if quantized:
         bases = [nf4_base(base) for base in bases]
 
-    # One chunk of a 4-bit down projection takes dh's term inside its GEMM (augmented_k, tested in
-    # test_augmented_k), several chunks the expand-add: compare like with like here.
+    # One chunk of a 4-bit down projection may take dh's term inside its GEMM where augmented_k's rule
+    # says so (tested in test_augmented_k), several chunks never: compare like with like here.
     monkeypatch.setattr(gated_mlp, "augmented_member", lambda *args: None)
 
     def run(chunk_bytes):

@@ -152,13 +152,11 @@ def test_projection_matches_peft_and_float64(layout: Layout, bias: bool, triton_
     assert not fast_calls, f"PEFT lora_A/lora_B ran on the fused path: {fast_calls}"
     assert peft_calls, "the hook saw no PEFT sub-layer calls: the pin would be blind"
     if TRITON_INTERPRET:
-        for kernel in ("_lora_shrink_kernel", "_lora_weight_grad_kernel"):
+        # The forward's term and dX's by an expand-add each: these shapes never save the augmented
+        # dX's host time (augmented_k's rule), which test_augmented_k pins where it is taken.
+        for kernel in ("_lora_shrink_kernel", "_lora_expand_add_kernel", "_lora_weight_grad_kernel"):
             assert triton_launches.get(kernel, 0) >= 2, f"{kernel} launches: {triton_launches}"
-        # The forward's term by an expand-add; dX's by another, or inside the GEMM (augmented_k).
-        expand = triton_launches.get("_lora_expand_add_kernel", 0)
-        assert expand >= 1 and expand + triton_launches.get("_lora_augmented_left_kernel", 0) >= 2, (
-            triton_launches
-        )
+        assert "_lora_augmented_left_kernel" not in triton_launches, triton_launches
         if layout.quantized:
             assert triton_launches.get("_dequantize_4bit_kernel", 0) >= 2, triton_launches
 
