@@ -7,6 +7,7 @@ it they take the pure-torch references and the "Triton ran" pins skip.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -14,12 +15,31 @@ from typing import Iterator, Optional
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FUSED_BACKWARD_NODE = "LoraSharedInputFunctionBackward"
 MLP_BACKWARD_NODE = "LoraGatedMlpFunctionBackward"
 
 requires_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TRITON_INTERPRET=1")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched inside it by name: aten ops bare ("mm"), others with their namespace
+    ("fastlora.lora_shrink"); the names in `ignored` are not counted."""
+
+    def __init__(self, ignored: frozenset[str] = frozenset()):
+        super().__init__()
+        self.ignored = ignored
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace != "aten":
+            name = f"{func.namespace}.{name}"
+        if name not in self.ignored:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

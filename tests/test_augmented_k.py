@@ -8,14 +8,12 @@ as the expand-add path's, which a dropped scale, a missing term or a wrong membe
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TRITON_INTERPRET, rel_err
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import TRITON_INTERPRET, OpCounter, rel_err
 
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
@@ -99,16 +97,6 @@ def test_rule_at_llama_shapes(monkeypatch):
     o = ([_meta_base(4096, 4096, quantized=True)], [_meta_lora(4096, 4096)])
     monkeypatch.setattr(augmented_k, "_HOST_COST_ELEMENTS", 0)
     assert augmented_k.augmented_member(*o, bf16_plan, 8192, cuda, BF16) == 0
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[f"{func.namespace}.{func.overloadpacket.__name__}"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _projection(in_features, out_features, rank, scale, dtype, adapter_dtype, quantized, generator, device):
@@ -219,7 +207,7 @@ def _run_case(case, layout_id, augmented: bool, monkeypatch, device="cpu"):
                 patch.setattr(module, "augmented_member", lambda *args: None)
         outputs = run(x, bases, loras, plan)
         grad_outs = [torch.randn(out.shape, generator=generator).to(device, out.dtype) for out in outputs]
-        with _OpCounter() as counter:
+        with OpCounter() as counter:
             grads = _fused_grads(x, loras, outputs, grad_outs)
     expected = _float64_grads(x, bases, loras, run64, grad_outs)
     return grads, expected, counter.ops

@@ -13,11 +13,9 @@ copied (`new_empty_strided` + `copy_`) before it becomes `.grad`.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import OpCounter
 
 from fastlora_peft.dtypes import plan_projection_dtypes
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
@@ -25,17 +23,19 @@ from fastlora_peft.functions.gated_mlp import fused_gated_mlp
 from fastlora_peft.functions.shared_input import fused_lora_projections
 
 # Ops that make views or answer questions about dtypes: no kernel, no allocation.
-_VIEW_OPS = {
-    "view",
-    "t",
-    "slice",
-    "alias",
-    "detach",
-    "promote_types",
-    "transpose",
-    "_unsafe_view",
-    "as_strided",
-}
+_VIEW_OPS = frozenset(
+    {
+        "view",
+        "t",
+        "slice",
+        "alias",
+        "detach",
+        "promote_types",
+        "transpose",
+        "_unsafe_view",
+        "as_strided",
+    }
+)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # Feature sizes are multiples of 64: bitsandbytes quantizes only those on the CPU.
@@ -51,20 +51,6 @@ LAYOUTS = {
     "nf4-bf16-adapters": (BF16, BF16, True),
     "nf4-fp32-adapters": (BF16, FP32, True),
 }
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace != "aten":
-            name = f"{func.namespace}.{name}"
-        if name not in _VIEW_OPS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _projection(in_features: int, out_features: int, layout):
@@ -94,10 +80,10 @@ def _counted_step(run, layout, shapes):
     bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
     x = torch.randn(2, TOKENS // 2, HIDDEN, dtype=dtype, requires_grad=True)
     plan = plan_projection_dtypes(dtype, dtype, quantized=quantized, device_type="cpu")
-    with _OpCounter() as forward:
+    with OpCounter(_VIEW_OPS) as forward:
         outputs = run(x, bases, loras, plan)
     grads = [torch.randn_like(out) for out in outputs]
-    with _OpCounter() as backward:
+    with OpCounter(_VIEW_OPS) as backward:
         torch.autograd.backward(outputs, grads)
     for lora in loras:
         for param in (lora.lora_a, lora.lora_b):
