@@ -223,7 +223,7 @@ def tune_gated_lora_forward(
     print(f"{name}: unfused three launches {_bench(unfused):7.1f}us", flush=True)
     default = _bench(fused)
     results = []
-    tiles = ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128))
+    tiles = ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (128, 32), (128, 64), (256, 32))
     for (block_m, block_i), warps, stages in itertools.product(tiles, (4, 8), (1, 2, 3)):
         config = dict(m=block_m, i=block_i, w=warps, s=stages)
         try:

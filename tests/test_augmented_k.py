@@ -31,7 +31,7 @@ AUGMENTED_OP, EXPAND_OP = "fastlora.lora_augmented_left", "fastlora.lora_expand_
 def tiny_shapes_pay_no_host_cost(request, monkeypatch):
     """The rule asks the augmented path to save more than its extra host time, which these tests'
     tiny shapes never do: without that term the rule takes it where its bytes say, and the tests
-    that pin where it is NOT taken (fp16, several chunks, forced lora_addmm) pin the other reasons."""
+    that pin where it is NOT taken (fp16, forced lora_addmm) pin the other reasons."""
     if request.node.get_closest_marker("real_host_cost") is None:
         monkeypatch.setattr(augmented_k, "_HOST_COST_ELEMENTS", 0)
 
@@ -246,13 +246,39 @@ def test_fp16_keeps_the_expand_add(layout_id, monkeypatch):
     assert ops[AUGMENTED_OP] == 0 and ops[EXPAND_OP] == 1, ops
 
 
-def test_several_mlp_chunks_keep_the_expand_add(monkeypatch):
-    # Beside each chunk's dh the left operand would raise the block's peak memory (see gated_mlp):
-    # with three chunks of 7 rows, dh's term goes through an expand-add per chunk, as before.
-    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", 7 * 128 * 2)
-    _, _, ops = _run_case("mlp", "nf4-fp32-adapters", True, monkeypatch)
-    assert ops[AUGMENTED_OP] == 0, ops
-    assert ops[EXPAND_OP] == 3 + 1, ops  # one per chunk, and gate/up's dX
+@pytest.mark.parametrize("align, expected_rows", [(1, [4, 4, 4, 4, 5]), (3, [3, 6, 3, 6, 3])])
+@pytest.mark.parametrize("layout_id", ["nf4-fp32-adapters", "nf4-bf16-adapters"])
+def test_several_mlp_chunks_take_it_in_chunks_within_the_budget(layout_id, align, expected_rows, monkeypatch):
+    # Forward: three chunks of 7 rows of h (I = 128). Backward: dh's rows chunked again so dh and
+    # the left operand (width 72) fit the same budget together: five chunks, each with its own left
+    # operand, one augmented weight for all, and no expand-add for dh's term. Their bounds at
+    # multiples of the row alignment (256 at real sizes; 3 here, 1 for the even split).
+    chunk_bytes = 7 * 128 * 2
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", chunk_bytes)
+    monkeypatch.setattr(gated_mlp, "_AUGMENTED_ROW_ALIGN", align)
+    # The rule weighs all 21 rows against the host term (paid once): they save 21 x (128 x (1 + 5/32)
+    # - 72) = 1596 elements, one 7-row chunk 532; a term between the two keeps only a per-chunk
+    # rule from taking the path.
+    monkeypatch.setattr(augmented_k, "_HOST_COST_ELEMENTS", 1000)
+    left_rows = []
+    real_left = augmented_k.lora_augmented_left
+
+    def spy(grad, grad_xa, scale, width):
+        left_rows.append(grad.shape[0])
+        row_bytes = (128 + width) * grad.element_size()  # token_chunks' "about": align rows over at most
+        assert (grad.shape[0] - align) * row_bytes < chunk_bytes, (grad.shape, width)
+        return real_left(grad, grad_xa, scale, width)
+
+    monkeypatch.setattr(augmented_k, "lora_augmented_left", spy)
+    grads, expected, ops = _run_case("mlp", layout_id, True, monkeypatch)
+    assert left_rows == expected_rows, left_rows
+    plain_grads, _, plain_ops = _run_case("mlp", layout_id, False, monkeypatch)
+    assert ops[AUGMENTED_OP] == 5 and ops[EXPAND_OP] == 1, ops  # the one left: gate/up's dX
+    assert plain_ops[EXPAND_OP] == 3 + 1, plain_ops  # one per forward chunk, and gate/up's dX
+    names = ["x"] + [f"{kind}{i}" for i in range(len(grads) // 2) for kind in ("A", "B")]
+    for name, grad, plain, reference in zip(names, grads, plain_grads, expected):
+        error, plain_error = rel_err(grad, reference), rel_err(plain, reference)
+        assert error <= 2 * plain_error + 1e-6, f"{name}: {error:.2e} against {plain_error:.2e}"
 
 
 def test_forced_lora_addmm_keeps_the_term(monkeypatch):

@@ -128,6 +128,26 @@ def test_token_chunks_at_llama_8b_shapes(tokens, expected):
     assert [chunk.stop - chunk.start for chunk in chunks] == expected
 
 
+@pytest.mark.parametrize("tokens", [8192, 8191, 6000, 1000, 300])
+def test_aligned_token_chunks_start_at_multiples_of_the_alignment(tokens):
+    # dh's augmented chunks at 8B shapes (I + K_pad = 14336 + 4160): 1638-row chunks made the gated
+    # backward kernel and the dh GEMM slower than 256-aligned ones (H200, gated_mlp).
+    chunks = token_chunks(tokens, LLAMA_8B_INTERMEDIATE + 4160, BF16_BYTES, GatedMlpSettings.chunk_bytes, 256)
+    rows = [row for chunk in chunks for row in range(tokens)[chunk]]
+    assert rows == list(range(tokens))
+    plain = token_chunks(tokens, LLAMA_8B_INTERMEDIATE + 4160, BF16_BYTES, GatedMlpSettings.chunk_bytes)
+    assert len(chunks) == len(plain)
+    sizes = [chunk.stop - chunk.start for chunk in chunks]
+    if tokens // len(chunks) >= 256:
+        assert all(chunk.start % 256 == 0 for chunk in chunks), chunks
+        assert max(sizes) <= max(p.stop - p.start for p in plain) + 256, sizes
+    else:  # too few rows for the alignment: the even split
+        assert chunks == plain
+    if tokens == 8192:
+        # dh + the left operand: at most 1792 x 18496 x 2 bytes = 63.2 MiB of the 64.
+        assert sizes == [1536, 1792, 1536, 1792, 1536]
+
+
 # --- chunked == one chunk -----------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ expand-add's read and write of dX (`[tokens, in]`), it costs a read of g_j and a
 written anyway (a 4-bit weight dequantized for this GEMM straight into the buffer, or a weight cast
 to the compute dtype), a copy of W_j otherwise; and two host ops more. `augmented_member` decides
 by those costs (see there): at Llama-3.1-8B shapes, from about 5k tokens on, a q/k/v group's k
-projection; o_proj and a 4-bit down projection's dh (the MLP's, one chunk only) from larger sizes;
+projection; o_proj and a 4-bit down projection's dh (the MLP's, all its chunks) from larger sizes;
 never gate/up (out > in). `python -m benchmarks.augmented_k_probe` (H200, bf16 base, fp32 adapters,
 GEMM and term together): q/k/v through k at 8192 tokens 180 -> 117 us, o_proj 446 -> 395, one
 2048-row chunk of dh 353 -> 327; inside a q/k/v step at 8192 tokens 58-64 us less kernel time,
@@ -87,8 +87,9 @@ def augmented_member(
     tokens * in * (1 + rank / `_EXPAND_ADD_RANK_PER_COPY`). The augmented path must save more than
     `_HOST_COST_ELEMENTS` (its extra host time). At Llama-3.1-8B shapes, rank 16, that leaves a q/k/v
     group (rank 48, through k) from about 5k tokens on, o_proj from about 21k (4-bit) or 29k (dense)
-    and a 4-bit down projection's dh from about 4k rows; at 8192 tokens a dense o_proj saved nothing on
-    the GPU (its weight copy) and a 4-bit one 10 us.
+    and a 4-bit down projection's dh from about 2.4k rows (`tokens`: all of the MLP's chunks, whose left
+    operands each take the place of an expand-add launch, so the host term is paid once); at 8192
+    tokens a dense o_proj saved nothing on the GPU (its weight copy) and a 4-bit one 10 us.
     """
     if plan.compute_dtype not in _AUGMENTED_DTYPES or grad_dtype != plan.compute_dtype:
         return None

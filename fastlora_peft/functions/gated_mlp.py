@@ -63,17 +63,28 @@ _FIRST_TENSOR_ARG = 5
 # + 112 + 56 + 64 = 680 MiB, the chunks' outputs written straight into `out` (a copy of each would
 # add 16). Smaller chunks cost time: a chunk's matmuls and LoRA terms are launched once per chunk.
 _CHUNK_BYTES = 64 * 2**20
+# Row alignment of the backward's chunks where dh takes the augmented K (see `_down_backward_`).
+_AUGMENTED_ROW_ALIGN = 256
 
 
 def token_chunks(
-    tokens: int, intermediate: int, element_size: int, chunk_bytes: int = _CHUNK_BYTES
+    tokens: int, intermediate: int, element_size: int, chunk_bytes: int = _CHUNK_BYTES, align: int = 1
 ) -> list[slice]:
     """Row ranges covering `[0, tokens)` once, in order, so each `[rows, intermediate]` chunk of h
     holds at most about `chunk_bytes`: ceil(bytes of all h / chunk_bytes) ranges (at least one, at
-    most one per row) whose sizes differ by at most one row."""
+    most one per row) whose sizes differ by at most one row. With `align`, where every range can hold
+    that many rows, every bound but the last is a multiple of it (each bound the even one rounded to
+    the nearest multiple: a range may then hold up to `align` rows more than the even split)."""
     count = math.ceil(tokens * intermediate * element_size / chunk_bytes)
     count = min(max(count, 1), max(tokens, 1))
-    bounds = [index * tokens // count for index in range(count + 1)]
+    if align > 1 and tokens // count >= align:
+        # Each even bound rounded to the nearest multiple of align: bounds at least align apart.
+        bounds = [
+            (2 * index * tokens + count * align) // (2 * count * align) * align for index in range(count)
+        ]
+        bounds.append(tokens)
+    else:
+        bounds = [index * tokens // count for index in range(count + 1)]
     return [slice(start, end) for start, end in zip(bounds, bounds[1:])]
 
 
@@ -162,28 +173,37 @@ def _down_backward_(
     plan: DtypePlan,
     needs_a: bool,
     chunks: Sequence[slice],
+    chunk_bytes: int,
 ) -> Optional[torch.Tensor]:
     """down_base as stored (its weight is materialized here, once). Per chunk of rows: dh, then one
     fused op that turns it into the gate/up gradients in the saved gate/up buffers themselves and,
     when dA_down is needed, recomputes h from those rows (before it overwrites them) for h's share of
     dA_down. Returns dA_down (fp32 `[r, I]`), or None.
 
-    Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory.
+    Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory. `chunks`
+    are the forward's; where dh's term goes through the augmented K (below) the rows are chunked again.
     """
     grad_a = None
+    tokens, intermediate = gate.shape
     # dh's LoRA term inside the GEMM's K dimension where that costs less (see augmented_k): a 4-bit
-    # down weight is dequantized straight into the augmented weight. One chunk only: beside each
-    # chunk's dh the left operand (16 MiB at 2048 rows) raised the NF4 MLP's peak at 8192 tokens
-    # (four chunks) from 692 to 702 MiB (H200, `benchmarks.run --cases blocks`), over the 700 allowed.
-    # At Llama-8B sizes the rule's host term leaves a one-chunk (2048-row) dh on the expand-add too.
-    augmented = (
-        len(chunks) == 1
-        and weight_is_materialized_fresh(down_base, plan.compute_dtype)
-        and augmented_member([down_base], [down_lora], plan, chunks[0].stop, gate.device, gate.dtype) == 0
+    # down weight is dequantized straight into the augmented weight, once for every chunk; the rule
+    # weighs all rows against the path's extra host time, which is paid once (the weight's buffer;
+    # each chunk's left operand takes the place of its expand-add launch). Beside each chunk's dh
+    # the left operand lives until its GEMM returns (16 MiB at 2048 rows, which took the NF4 MLP's
+    # peak at 8192 tokens from 692 to 702 MiB), so these chunks hold dh and the left operand
+    # together within the forward's budget for h: five at 8192 tokens, of 1536 and 1792 rows (peak
+    # 693 MiB). Their bounds are multiples of 256 rows, cuBLAS's tile there: at 1638-1639-row chunks
+    # the gated backward kernel took 184 against 101 us per chunk and cuBLAS picked a slower GEMM;
+    # 1664 rows would fill 6.5 of its 256-row tiles (H200, `docs/benchmarks/session17/dh_chunks_ab*`).
+    augmented = weight_is_materialized_fresh(down_base, plan.compute_dtype) and (
+        augmented_member([down_base], [down_lora], plan, tokens, gate.device, gate.dtype) == 0
     )
     if augmented:
         width = padded_width(base_out_features(down_base), grad_ha.shape[1], gate.device)
         down_weight = augmented_weight(down_base, [down_lora], plan, width)
+        chunks = token_chunks(
+            tokens, intermediate + width, gate.element_size(), chunk_bytes, _AUGMENTED_ROW_ALIGN
+        )
     else:
         down_base = _dense_base(down_base, plan)
     for rows in chunks:
@@ -252,6 +272,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         down_base = _dense_base(bases[-1], plan)
         out, ha_down = _down_forward(gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks)
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
+        ctx.chunk_bytes = settings.chunk_bytes
         ctx.overwrite = settings.overwrite_saved_preactivations
         ctx.pre_activation_count = len(pre_activations)
         ctx.save_for_backward(x, xa_in, ha_down, *pre_activations, *tensors)
@@ -291,7 +312,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             )  # fmt: skip
             grad_a_down = _down_backward_(
                 gate, up, ctx.activation, grad_2d, grad_ha, down_scale, bases[-1],
-                down_lora, plan, need_down.lora_a, ctx.chunks,
+                down_lora, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes,
             )  # fmt: skip
             if grad_a_down is not None:
                 down_grad_lora = down_grad_lora._replace(lora_a=grad_a_down.to(down_lora.lora_a.dtype))
