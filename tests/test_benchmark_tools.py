@@ -65,6 +65,44 @@ def test_wide_split_probe_is_as_exact_as_the_library_split_shrink():
     assert max(errors) < 1e-6, done.stdout
 
 
+def test_kernel_ab_credits_each_activity_to_the_step_that_holds_its_start():
+    from benchmarks.kernel_ab import Activity, Window, credit_to_arms
+
+    windows = [
+        Window("on", 10.0, 20.0),
+        Window("off", 25.0, 40.0),
+        Window("off", 50.0, 60.0),
+        Window("on", 70.0, 75.0),
+    ]
+    activities = [
+        Activity("gemm", 5.0, 3.0),  # before every step (warm-up leftovers): dropped
+        Activity("gemm", 12.0, 4.0),
+        Activity("gemm", 19.5, 9.0),  # starts inside, ends after its step's range: still that step's
+        Activity("add", 22.0, 1.0),  # between two steps: dropped
+        Activity("gemm", 30.0, 5.0),
+        Activity("gemm", 55.0, 6.0),
+        Activity("left", 71.0, 2.0),
+        Activity("gemm", 80.0, 1.0),  # after the last step: dropped
+    ]
+    credited = credit_to_arms(windows, activities)
+    assert {arm: dict(names) for arm, names in credited.items()} == {
+        "on": {"gemm": [2, 13.0], "left": [1, 2.0]},
+        "off": {"gemm": [2, 11.0]},
+    }
+
+
+def test_kernel_ab_interleaves_the_arms_and_credits_both():
+    command = [sys.executable, "-m", "benchmarks.kernel_ab", "--smoke", "--block", "o", "--steps", "2"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Both arms run the same ops at the smoke shapes (the rule's host term keeps them off the
+    # augmented dX): equal calls per step, each credited to its own steps.
+    (mm,) = [line for line in done.stdout.splitlines() if line.rstrip().endswith(" aten::mm")]
+    calls = [float(part.strip("()x")) for part in mm.split() if part.endswith("x)")]
+    assert len(calls) == 2 and calls[0] == calls[1] > 0, mm
+
+
 def test_augmented_switch_reaches_the_functions_rule_and_restores_it():
     from benchmarks import plans_ab
     from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
