@@ -93,12 +93,19 @@ def test_tiny_llama_matches_peft(layout: Layout, tmp_path_factory):
 AUGMENTED_LAYOUTS = [layout for layout in LAYOUTS if layout.id in ("nf4-bf16adapters", "nf4-fp32adapters")]
 
 
+@pytest.mark.parametrize("several_chunks", [False, True], ids=["one-chunk", "several-chunks"])
 @pytest.mark.parametrize("layout", AUGMENTED_LAYOUTS, ids=[layout.id for layout in AUGMENTED_LAYOUTS])
-def test_tiny_llama_matches_peft_with_the_augmented_dx(layout: Layout, tmp_path_factory, monkeypatch):
+def test_tiny_llama_matches_peft_with_the_augmented_dx(
+    layout: Layout, several_chunks: bool, tmp_path_factory, monkeypatch
+):
     """dX's term inside the base GEMM's K (functions/augmented_k) under get_peft_model. Its rule wants a
     saving above its host time, which these shapes never reach, so the other tests here never take it;
-    without that term the 4-bit q/k/v group, o_proj and the MLP's dh (one chunk) all do."""
+    without that term the 4-bit q/k/v group, o_proj and the MLP's dh all do. With several chunks (h
+    budget 3 rows of I = 192: four forward chunks of the 10 tokens) the backward takes dh in six, so
+    that dh (192 columns) and its left operand (136) stay within the same budget."""
     monkeypatch.setattr(augmented_k, "_HOST_COST_ELEMENTS", 0)
+    if several_chunks:
+        monkeypatch.setattr(gated_mlp.GatedMlpSettings, "chunk_bytes", 3 * 192 * 2)
     calls: list[int] = []
     for module in (shared_input, gated_mlp):
         monkeypatch.setattr(
@@ -107,7 +114,8 @@ def test_tiny_llama_matches_peft_with_the_augmented_dx(layout: Layout, tmp_path_
             lambda *args, _original=module.augmented_grad_x: calls.append(1) or _original(*args),
         )
     layers = check_matches_peft(layout, tmp_path_factory)
-    assert len(calls) == 3 * layers, len(calls)  # q/k/v, o_proj, dh in every layer
+    dh_chunks = 6 if several_chunks else 1
+    assert len(calls) == (2 + dh_chunks) * layers, len(calls)  # q/k/v, o_proj, each chunk of dh
 
 
 def check_matches_peft(layout: Layout, tmp_path_factory) -> int:
