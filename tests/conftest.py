@@ -96,6 +96,18 @@ LAYOUTS = [
 ]
 LAYOUT_IDS = [layout.id for layout in LAYOUTS]
 
+# The same layouts for tests that call the fused Functions directly (no model): id -> (x and base
+# dtype, adapter dtype, 4-bit base). Feature sizes there must be multiples of 64 for the 4-bit ones.
+FUNCTION_LAYOUTS = {
+    "fp32": (F32, F32, False),
+    "bf16": (BF16, BF16, False),
+    "fp16": (F16, F16, False),
+    "fp32-adapters-on-bf16": (BF16, F32, False),
+    "fp32-adapters-on-fp16": (F16, F32, False),
+    "nf4-bf16-adapters": (BF16, BF16, True),
+    "nf4-fp32-adapters": (BF16, F32, True),
+}
+
 
 @contextmanager
 def maybe_autocast(layout: Layout) -> Iterator[None]:

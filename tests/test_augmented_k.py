@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TRITON_INTERPRET, OpCounter, rel_err
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, OpCounter, rel_err
 
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
@@ -172,22 +172,13 @@ CASES = {
     # A dense group with enough tokens that copying k's weight is cheaper than a pass over dX.
     "qkv-dense": (_qkv, _qkv64, [(64, 64, 4, 0.5), (64, 16, 3, 1.5), (64, 16, 5, 0.75)], 200, 1),
 }
-# (x and base dtype, adapter dtype, 4-bit base)
-LAYOUTS = {
-    "nf4-bf16-adapters": (BF16, BF16, True),
-    "nf4-fp32-adapters": (BF16, FP32, True),
-    "bf16-fp32-adapters": (BF16, FP32, False),
-    "bf16": (BF16, BF16, False),
-    "fp32": (FP32, FP32, False),
-    "fp16": (FP16, FP16, False),
-    "fp32-adapters-on-fp16": (FP16, FP32, False),
-}
+LAYOUTS = FUNCTION_LAYOUTS  # id -> (x and base dtype, adapter dtype, 4-bit base), conftest
 CASE_LAYOUTS = [
     ("qkv", "nf4-bf16-adapters"),
     ("qkv", "nf4-fp32-adapters"),
     ("mlp", "nf4-bf16-adapters"),
     ("mlp", "nf4-fp32-adapters"),
-    ("qkv-dense", "bf16-fp32-adapters"),
+    ("qkv-dense", "fp32-adapters-on-bf16"),
     ("qkv-dense", "bf16"),
     ("qkv-dense", "fp32"),
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import OpCounter
+from conftest import FUNCTION_LAYOUTS, OpCounter
 
 from fastlora_peft.dtypes import plan_projection_dtypes
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
@@ -41,16 +41,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # Feature sizes are multiples of 64: bitsandbytes quantizes only those on the CPU.
 HIDDEN, INTERMEDIATE, TOKENS, RANK = 64, 128, 10, 4
 
-# (x and base dtype, adapter dtype, 4-bit base): every layout the fused path takes.
-LAYOUTS = {
-    "fp32": (FP32, FP32, False),
-    "bf16": (BF16, BF16, False),
-    "fp16": (FP16, FP16, False),
-    "fp32-adapters-on-bf16": (BF16, FP32, False),
-    "fp32-adapters-on-fp16": (FP16, FP32, False),
-    "nf4-bf16-adapters": (BF16, BF16, True),
-    "nf4-fp32-adapters": (BF16, FP32, True),
-}
+LAYOUTS = FUNCTION_LAYOUTS  # every layout the fused path takes (conftest)
 
 
 def _projection(in_features: int, out_features: int, layout):
