@@ -36,7 +36,10 @@ def _rebuild(kind: type, items: list[Any]) -> Any:
         return tuple(items)
     if kind is list:
         return items
-    return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    # A tuple subclass here is a named tuple (the trees hold named tuples, tuples and lists).
+    # issubclass, not hasattr(kind, "_fields"): this walk runs under torch.compile, and dynamo in
+    # torch 2.11 (the GPU machine's) stops at hasattr on a class (tests/test_compile.py failed there).
+    return kind(*items) if issubclass(kind, tuple) else kind(items)
 
 
 def _split(node: Any, tensors: list[torch.Tensor]) -> Any:
