@@ -115,6 +115,33 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
     _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32, tol)
 
 
+# A group's three dY_i @ B_i (q/k/v: K_i = N_i, its own rank and scale each), written side by side.
+STACKED_MEMBERS = [(19, 5, 0.37), (70, 3, 1.5), (23, 16, 0.25)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [0, 1, 37])  # 37: members' column blocks start at unaligned addresses
+@pytest.mark.parametrize("name, x_dtype, w_dtype", DTYPE_CASES, ids=[case[0] for case in DTYPE_CASES])
+def test_lora_shrink_stacked(name, x_dtype, w_dtype, rows, layout, monkeypatch):
+    kernel = _LaunchCounter(lora_terms._lora_shrink_kernel)
+    monkeypatch.setattr(lora_terms, "_lora_shrink_kernel", kernel)
+    xs = [_make(rows, k, x_dtype, layout) for k, _, _ in STACKED_MEMBERS]
+    weights = [_make(r, k, w_dtype, "transposed") for k, r, _ in STACKED_MEMBERS]  # lora_b.T
+    scales = [scale for _, _, scale in STACKED_MEMBERS]
+    got = lora_terms.lora_shrink_stacked(xs, weights, scales)
+    # One shrink launch per member into its columns (none for an empty batch, or on the reference path).
+    assert kernel.launches == (len(xs) if EXPECT_TRITON and rows else 0)
+    assert got.dtype == FP32 and got.shape == (rows, sum(r for _, r, _ in STACKED_MEMBERS))
+    assert got.T.is_contiguous(), "not token-major: lora_weight_grad would copy it"
+    tol = SPLIT_TOLERANCE if (x_dtype, w_dtype) == (BF16, FP32) else TOLERANCE[FP32]
+    start = 0
+    for x, weight, (_, rank, scale) in zip(xs, weights, STACKED_MEMBERS):
+        block = got[:, start : start + rank]
+        assert_rel_close(block, scale * (x.double() @ weight.double().T), tol)
+        assert torch.equal(block, lora_terms.lora_shrink(x, weight, scale)), "differs from lora_shrink"
+        start += rank
+
+
 def _recorded_launches(monkeypatch) -> list[tuple]:
     """(kernel name, args, meta) of every launch as the launchers decide it: plans off (a plan would
     replay an earlier decision; tests/test_launch_plans.py pins that it passes what the launcher would)."""
@@ -531,6 +558,30 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        pytest.param(
+            lambda: ([_t(3, 5)], [_t(2, 5), _t(2, 5)], [1.0]), r"one weight and one scale per x", id="lengths"
+        ),
+        pytest.param(lambda: ([], [], []), r"at least one", id="empty"),
+        pytest.param(
+            lambda: ([_t(3, 5), _t(4, 5)], [_t(2, 5), _t(2, 5)], [1.0, 1.0]),
+            r"with M=3 \(xs\[0\]'s\)",
+            id="m",
+        ),
+        pytest.param(
+            lambda: ([_t(3, 5), _t(3, 6)], [_t(2, 5), _t(2, 5)], [1.0, 1.0]),
+            r"weight must be \[R, K\]",
+            id="k",
+        ),
+    ],
+)
+def test_lora_shrink_stacked_bad_inputs_raise(make_args, message):
+    with pytest.raises(ValueError, match=message):
+        lora_terms.lora_shrink_stacked(*make_args())
+
+
 @pytest.mark.parametrize("op, make_args, message", BAD_INPUTS)
 def test_bad_inputs_raise(op, make_args, message):
     with pytest.raises(ValueError, match=message):
@@ -547,6 +598,11 @@ OPCHECK_CASES = [
         lora_terms.lora_expand_add_op,
         lambda: (_t(7, 23), _t(7, 5), _t(23, 5), SCALE, BF16),
         id="expand-bf16-out",
+    ),
+    pytest.param(
+        lora_terms.lora_shrink_stacked_op,
+        lambda: ([_t(7, 19), _t(7, 11, dtype=BF16)], [_t(19, 5).T, _t(3, 11)], [0.5, 2.0]),
+        id="shrink-stacked",
     ),
     pytest.param(lora_terms.lora_weight_grad_op, lambda: (_t(7, 5), _t(19, 7).T, SCALE), id="wgrad"),
     pytest.param(

@@ -155,6 +155,30 @@ def test_shrink_plan_launches_what_the_launcher_would(recorded_launches, case):
     assert 1.5 in _floats(launch)  # call 2's own scale, not the plan's first
 
 
+@pytest.mark.parametrize("first_rank", [0, 5], ids=["aligned", "unaligned"])
+def test_shrink_into_a_given_out_is_planned_by_that_out(recorded_launches, first_rank):
+    """`lora_shrink_stacked` writes each member into its columns of one [sum r, M] buffer: the launch
+    passes that out itself, and a plan serves only an out of the same strides and alignment (at 37
+    rows, columns from rank 5 on start 740 bytes in: a kernel compiled for an aligned pointer must not
+    get it)."""
+    M, K, R = 37, 64, 5
+
+    def make_inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        out = torch.empty(2 * R, M)[first_rank : first_rank + R].T
+        return dict(x=_randn(generator, M, K), weight=_randn(generator, R, K), scale=0.5 + seed, out=out)
+
+    launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_shrink_triton, make_inputs)
+    assert 1.5 in _floats(launch)
+    inputs = make_inputs(2)
+    for out in (
+        torch.empty(2 * R, M)[R - first_rank : 2 * R - first_rank].T,
+        None,
+    ):  # the other alignment, new
+        lora_terms._lora_shrink_triton(**{**inputs, "out": out})
+    assert len(lora_terms._SHRINK_PLANS.plans) == 3
+
+
 EXPAND_CASES = [
     # (M, N, R, right transposed, in place)
     (33, 70, 16, True, True),
@@ -505,7 +529,7 @@ def test_planned_launches_compute_the_reference(triton_launches):
         for name, got, want, tolerance in zip(names, (gate, up, grad_weight), expected, (1e-5, 1e-5, 1e-6)):
             assert_near(name, got, want, tolerance)
     print("relative errors against the references:", {name: f"{error:.2e}" for name, error in errors.items()})
-    assert lora_terms._SHRINK_PLANS.get(lora_terms._SHRINK_PLANS.key(x, weight)) is not None
+    assert lora_terms._SHRINK_PLANS.get(lora_terms._shrink_plan_key(x, weight)) is not None
     for kernel in (
         "_lora_shrink_kernel", "_lora_expand_add_kernel", "_lora_weight_grad_kernel",
         "_gated_act_lora_forward_kernel", "_gated_act_backward_weight_grad_kernel",

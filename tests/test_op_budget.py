@@ -97,6 +97,7 @@ _QKV_SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2)]
 _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
 
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
+SHRINK_STACKED = "fastlora.lora_shrink_stacked"
 GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grad_"
 
 
@@ -110,13 +111,13 @@ CASES = {
     # forward: one pass over x for every A, the base matmul, the LoRA term added in place.
     # backward: dY @ B, dX (one matmul, the LoRA term in place), dA and dB.
     "o": (_o, _O_SHAPES, {SHRINK: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRAD: 2}, 0),
-    # forward: the As stacked once; backward: dY_i @ B_i side by side (one cat), the A^T side by side
-    # (one cat), dX accumulated in one buffer, dA of all three in one pass, dB_i each.
+    # forward: the A^T side by side once (kept for backward's dX term); backward: dY_i @ B_i written
+    # side by side (one op, no cat), dX accumulated in one buffer, dA of all three in one pass, dB_i each.
     "qkv": (
         _o,
         _QKV_SHAPES,
         {"cat": 1, SHRINK: 1, "mm": 3, EXPAND: 3},
-        {SHRINK: 3, "cat": 2, "mm": 1, "addmm_": 2, EXPAND: 1, WGRAD: 4},
+        {SHRINK_STACKED: 1, "mm": 1, "addmm_": 2, EXPAND: 1, WGRAD: 4},
         0,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
@@ -125,7 +126,7 @@ CASES = {
         _mlp,
         _MLP_SHAPES,
         {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
-        {SHRINK: 3, "cat": 2, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
+        {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
         1,
     ),
 }

@@ -44,6 +44,7 @@ from .frozen_base import (
     weight_is_materialized_fresh,
 )
 from .shared_input import (
+    group_lora_a_t,
     hoisted_grad_xa,
     rank_slices,
     shared_input_backward,
@@ -263,8 +264,9 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         bases, loras = unflatten_tensors(layout, tensors)
         x_2d = x.reshape(-1, x.shape[-1])
         # Gate and up without their LoRA terms: the activation kernel adds them (see _down_forward).
+        lora_a_t = group_lora_a_t(loras[:-1])
         pre_activations, xa_in = shared_input_forward(
-            x_2d, bases[:-1], loras[:-1], plan, add_lora_terms=False
+            x_2d, bases[:-1], loras[:-1], plan, add_lora_terms=False, lora_a_t=lora_a_t
         )
         gate, up = _gate_and_up(pre_activations)
         gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
@@ -275,13 +277,13 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         ctx.chunk_bytes = settings.chunk_bytes
         ctx.overwrite = settings.overwrite_saved_preactivations
         ctx.pre_activation_count = len(pre_activations)
-        ctx.save_for_backward(x, xa_in, ha_down, *pre_activations, *tensors)
+        ctx.save_for_backward(x, xa_in, ha_down, lora_a_t, *pre_activations, *tensors)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         try:
-            x, xa_in, ha_down, *saved = ctx.saved_tensors
+            x, xa_in, ha_down, lora_a_t, *saved = ctx.saved_tensors
         except RuntimeError as error:
             if ctx.overwrite and "inplace operation" in str(error):
                 raise RuntimeError(
@@ -318,7 +320,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
                 down_grad_lora = down_grad_lora._replace(lora_a=grad_a_down.to(down_lora.lora_a.dtype))
             gate_up = shared_input_backward(
                 x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, ctx.needs_input_grad[0],
-                needs_loras[:-1], needs_bases[:-1],
+                needs_loras[:-1], needs_bases[:-1], lora_a_t=lora_a_t,
             )  # fmt: skip
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
         grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])

@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off
-from ..kernels.lora_terms import lora_expand_add, lora_expand_add_, lora_shrink, lora_weight_grad
+from ..kernels.lora_terms import (
+    lora_expand_add,
+    lora_expand_add_,
+    lora_shrink,
+    lora_shrink_stacked,
+    lora_weight_grad,
+)
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
@@ -67,6 +73,17 @@ def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
     return torch.cat([lora.lora_a.t().to(dtype) for lora in loras], dim=1)
 
 
+def group_lora_a_t(loras: Sequence[LoraWeights]) -> Optional[torch.Tensor]:
+    """A group's `stacked_lora_a_t`, made once per step: the forward's shrink reads it (transposed)
+    and the backward's dX term takes it as it is, where each made its own cat before. None for one
+    projection, whose lora_a serves both as it is."""
+    return stacked_lora_a_t(loras) if len(loras) > 1 else None
+
+
+def _right_operand_of_dx_term(loras: Sequence[LoraWeights], lora_a_t: Optional[torch.Tensor]) -> torch.Tensor:
+    return lora_a_t if lora_a_t is not None else stacked_lora_a_t(loras)
+
+
 def shared_input_forward(
     x_2d: torch.Tensor,
     bases: Sequence[FrozenBase],
@@ -75,6 +92,7 @@ def shared_input_forward(
     x_lora_2d: Optional[torch.Tensor] = None,
     out: Optional[Sequence[torch.Tensor]] = None,
     add_lora_terms: bool = True,
+    lora_a_t: Optional[torch.Tensor] = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward.
 
@@ -83,9 +101,11 @@ def shared_input_forward(
     of a larger output), or None for new ones.
     add_lora_terms: False returns the base outputs alone (of `plan.out_dtype`, in `out` when given),
     for a caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation).
+    lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to stack the As here.
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
-    xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_lora_a(loras))
+    stacked_a = stacked_lora_a(loras) if lora_a_t is None else lora_a_t.t()
+    xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_a)
     outputs = []
     for index, (base, lora, ranks) in enumerate(zip(bases, loras, rank_slices(loras))):
         weight = materialize_weight(base, plan.compute_dtype)
@@ -140,14 +160,13 @@ def hoisted_grad_xa(
     """
     if len(loras) == 1:
         return lora_shrink(grads_2d[0], loras[0].lora_b.t()), loras[0].scale
-    # Each shrink applies its own scale to its fp32 sum (no separate scaling pass per projection).
-    # Each comes out token-major ([tokens, r_i], strides (1, tokens)); so does the result, as one cat
-    # of their transposes: dA's lora_weight_grad wants that layout and copies any other (a cat along
-    # dim 1 comes out row-major, and cost that copy on every group's backward).
-    grad_xa_t = torch.cat(
-        [lora_shrink(grad, lora.lora_b.t(), lora.scale).t() for grad, lora in zip(grads_2d, loras)], dim=0
+    # Each shrink applies its own scale to its fp32 sum (no separate scaling pass per projection) and
+    # writes its columns of one token-major buffer ([tokens, sum r], strides (1, tokens)), the layout
+    # dA's lora_weight_grad wants (it copies any other): no cat of separate results.
+    grad_xa = lora_shrink_stacked(
+        grads_2d, [lora.lora_b.t() for lora in loras], [lora.scale for lora in loras]
     )
-    return grad_xa_t.t(), 1.0
+    return grad_xa, 1.0
 
 
 def shared_input_grad_x(
@@ -160,6 +179,7 @@ def shared_input_grad_x(
     x_dtype: torch.dtype,
     with_lora_term: bool = True,
     allow_augmented: bool = True,
+    lora_a_t: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dX of every projection accumulated in one buffer: sum_i g_i W_i, plus the LoRA terms (unless
     they read another tensor, a dropped-out x: then `lora_input_grad` gives their share).
@@ -167,7 +187,8 @@ def shared_input_grad_x(
     One member's GEMM carries all the LoRA terms in its K dimension where `augmented_member` picks
     one (see `augmented_k`; not with `allow_augmented=False`, for a caller that decided already);
     else the first GEMM carries them (`lora_addmm`) where `lora_addmm_pays_off` says so; otherwise
-    cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds them.
+    cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds them. lora_a_t: the forward's
+    `group_lora_a_t`, or None to stack the As here.
     """
     grad_x_base = None
     term_pending = with_lora_term  # until one GEMM (augmented, lora_addmm) or the expand-add adds it
@@ -191,22 +212,29 @@ def shared_input_grad_x(
         if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
         elif term_pending and lora_addmm_pays_off(grad_compute, weight, x_dtype):
-            grad_x_base = lora_addmm(grad_compute, weight, grad_xa, stacked_lora_a_t(loras), lora_scale)
+            right = _right_operand_of_dx_term(loras, lora_a_t)
+            grad_x_base = lora_addmm(grad_compute, weight, grad_xa, right, lora_scale)
             term_pending = False
         else:
             grad_x_base = grad_compute @ weight
         del weight, grad_compute  # as in the forward: one materialized weight at a time
     if not term_pending:
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
-    return _add_lora_term(grad_x_base, grad_xa, stacked_lora_a_t(loras), lora_scale, x_dtype)
+    right = _right_operand_of_dx_term(loras, lora_a_t)
+    return _add_lora_term(grad_x_base, grad_xa, right, lora_scale, x_dtype)
 
 
 def lora_input_grad(
-    grad_xa: torch.Tensor, lora_scale: float, loras: Sequence[LoraWeights], x_lora_2d: torch.Tensor
+    grad_xa: torch.Tensor,
+    lora_scale: float,
+    loras: Sequence[LoraWeights],
+    x_lora_2d: torch.Tensor,
+    lora_a_t: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The gradient of the tensor the LoRA terms read, `scale * (g B) A`, when it is not x itself."""
     zeros = torch.zeros_like(x_lora_2d, memory_format=torch.contiguous_format)
-    return _add_lora_term(zeros, grad_xa, stacked_lora_a_t(loras), lora_scale, x_lora_2d.dtype)
+    right = _right_operand_of_dx_term(loras, lora_a_t)
+    return _add_lora_term(zeros, grad_xa, right, lora_scale, x_lora_2d.dtype)
 
 
 def shared_input_weight_grads(
@@ -255,8 +283,10 @@ def shared_input_backward(
     needs_bases: Sequence[FrozenBase],
     x_lora_2d: Optional[torch.Tensor] = None,
     needs_x_lora: bool = False,
+    lora_a_t: Optional[torch.Tensor] = None,
 ) -> SharedInputGrads:
-    """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused)."""
+    """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused);
+    lora_a_t: the `group_lora_a_t` the forward read, or None."""
     grads_2d = _grads_or_zeros(x_2d, bases, plan, grads_2d)
     lora_reads_x = x_lora_2d is None
     grad_xa, lora_scale = None, 1.0
@@ -265,10 +295,11 @@ def shared_input_backward(
     grad_x = grad_x_lora = None
     if needs_x:
         grad_x = shared_input_grad_x(
-            grads_2d, grad_xa, lora_scale, bases, loras, plan, x_2d.dtype, with_lora_term=lora_reads_x
-        )
+            grads_2d, grad_xa, lora_scale, bases, loras, plan, x_2d.dtype, with_lora_term=lora_reads_x,
+            lora_a_t=lora_a_t,
+        )  # fmt: skip
     if needs_x_lora and not lora_reads_x:
-        grad_x_lora = lora_input_grad(grad_xa, lora_scale, loras, x_lora_2d)
+        grad_x_lora = lora_input_grad(grad_xa, lora_scale, loras, x_lora_2d, lora_a_t)
     grad_loras, grad_bases = shared_input_weight_grads(
         x_2d if lora_reads_x else x_lora_2d,
         xa,
@@ -299,14 +330,17 @@ class LoraSharedInputFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, x_lora: Optional[torch.Tensor], plan: DtypePlan, layout, *tensors):
         bases, loras = unflatten_tensors(layout, tensors)
         x_lora_2d = None if x_lora is None else x_lora.reshape(-1, x.shape[-1])
-        outputs, xa = shared_input_forward(x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d)
+        lora_a_t = group_lora_a_t(loras)
+        outputs, xa = shared_input_forward(
+            x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d, lora_a_t=lora_a_t
+        )
         ctx.plan, ctx.layout = plan, layout
-        ctx.save_for_backward(x, x_lora, xa, *tensors)
+        ctx.save_for_backward(x, x_lora, xa, lora_a_t, *tensors)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
-        x, x_lora, xa, *tensors = ctx.saved_tensors
+        x, x_lora, xa, lora_a_t, *tensors = ctx.saved_tensors
         bases, loras = unflatten_tensors(ctx.layout, tensors)
         needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
         x_2d = x.reshape(-1, x.shape[-1])
@@ -317,7 +351,7 @@ class LoraSharedInputFunction(torch.autograd.Function):
         with autocast_off(x.device.type):
             grads = shared_input_backward(
                 x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases,
-                x_lora_2d, ctx.needs_input_grad[1],
+                x_lora_2d, ctx.needs_input_grad[1], lora_a_t,
             )  # fmt: skip
         grad_x = None if grads.grad_x is None else grads.grad_x.view(x.shape)
         grad_x_lora = None if grads.grad_x_lora is None else grads.grad_x_lora.view(x.shape)

@@ -20,7 +20,7 @@ Each op is a ``torch.library`` custom op with a fake implementation; it runs the
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -253,6 +253,7 @@ def _lora_shrink_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: float = 1.0,
+    out: torch.Tensor | None = None,
     split: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
@@ -260,19 +261,20 @@ def _lora_shrink_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
+    """out: an fp32 [M, R] tensor to write into (e.g. columns of a group's stacked result), or None."""
     # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
     plan_key = None
     defaults = split is None and block_m is None and block_k is None and block_r is None
     defaults = defaults and num_warps is None and num_stages is None
     if defaults and _SHRINK_PLANS.enabled:
-        plan_key = _shrink_plan_key(x, weight)
+        plan_key = _shrink_plan_key(x, weight, out)
         plan = _SHRINK_PLANS.get(plan_key)
         if plan is not None:
-            return _run_shrink_plan(plan, x, weight, scale)
+            return _run_shrink_plan(plan, x, weight, scale, out)
     M, K = x.shape
     R = weight.shape[0]
     if M == 0 or R == 0 or K == 0:
-        return torch.zeros((M, R), dtype=torch.float32, device=x.device)
+        return torch.zeros((M, R), dtype=torch.float32, device=x.device) if out is None else out.zero_()
     # Timings on an H200, x [8192, 4096] bf16, rank 16 (benchmarks/tune_lora_terms.py): 16-bit weights
     # fed to native dots with 32-row tiles, 128-wide K steps and 4 stages took 28us, against 45us for
     # tf32 dots of 32 x 64 x 3 stages (K=14336: 70 against 115us). fp32 weights (tf32x3) were fastest
@@ -305,7 +307,7 @@ def _lora_shrink_triton(
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
     # wants its left operand in, so xa and dY @ B reach it without a transposed copy. Deterministic:
     # the splits' partials are summed in split order inside the kernel (split_sum).
-    out = torch.empty((R, M), dtype=torch.float32, device=x.device).T
+    out = torch.empty((R, M), dtype=torch.float32, device=x.device).T if out is None else out
     r_tiles = cdiv(R, block_r)
     partial, counters = (
         split_scratch(x.device, split * M * R, row_blocks * r_tiles) if split > 1 else (out, out)
@@ -335,7 +337,7 @@ class _ShrinkPlan(NamedTuple):
     launch: BoundLaunch
     copy_weight: bool  # the weight was copied to a contiguous one first (its strides below are the copy's)
     device: torch.device
-    out_shape: tuple[int, int]  # (R, M); the result is its transpose
+    out_shape: tuple[int, int]  # (R, M) of a new result's buffer (its transpose) where none is given
     scratch: Optional[tuple[int, int]]  # split_scratch's sizes when the launch splits K
     sizes: tuple[int, ...]  # M, K, R, k_per_split, n_splits
     strides: tuple[int, ...]
@@ -344,14 +346,18 @@ class _ShrinkPlan(NamedTuple):
 _SHRINK_PLANS = LaunchPlans("lora_shrink")
 
 
-def _shrink_plan_key(x, weight) -> tuple:
-    """The one key of a shrink plan: the launcher's and the op body's lookups must agree."""
-    return _SHRINK_PLANS.key(x, weight)
+def _shrink_plan_key(x, weight, out=None) -> tuple:
+    """The one key of a shrink plan: the launcher's and the op bodies' lookups must agree. A given
+    `out` is part of it (its strides and alignment are the launch's); None keys a new result."""
+    return _SHRINK_PLANS.key(x, weight, out)
 
 
-def _run_shrink_plan(plan: _ShrinkPlan, x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+def _run_shrink_plan(
+    plan: _ShrinkPlan, x: torch.Tensor, weight: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     weight = weight.contiguous() if plan.copy_weight else weight
-    out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device).T
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device).T
     partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
     plan.launch(x, weight, out, partial, counters, *plan.sizes, float(scale), *plan.strides)
     return out
@@ -669,6 +675,93 @@ lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_s
 def _(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     _check_shrink(x, weight)
     return x.new_empty((weight.shape[0], x.shape[0]), dtype=torch.float32).T
+
+
+def _check_stacked_members(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], scales) -> None:
+    """What the stacked shrink checks on every call: one weight and scale per x, one M for all."""
+    op = "lora_shrink_stacked"
+    if not len(xs) == len(weights) == len(scales) or not xs:
+        raise ValueError(
+            f"{op}: needs one weight and one scale per x, at least one, got {len(xs)} x, "
+            f"{len(weights)} weights and {len(scales)} scales"
+        )
+    rows = xs[0].shape[0]
+    for x in xs:
+        if x.dim() != 2 or x.shape[0] != rows:
+            raise ValueError(f"{op}: every x must be [M, K_i] with M={rows} (xs[0]'s), got {list(x.shape)}")
+
+
+def _check_shrink_stacked(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], scales) -> None:
+    _check_stacked_members(xs, weights, scales)
+    for x, weight in zip(xs, weights):
+        _check_shrink(x, weight)
+    _check_devices(
+        "lora_shrink_stacked",
+        **{f"x{i}": x for i, x in enumerate(xs)},
+        **{f"w{i}": w for i, w in enumerate(weights)},
+    )
+
+
+def _stacked_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32, or float64 beside float64 inputs (gradcheck runs the reference in float64)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def lora_shrink_stacked(
+    xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], scales: Sequence[float]
+) -> torch.Tensor:
+    """``[scales[0] * xs[0] @ weights[0].T | scales[1] * xs[1] @ weights[1].T | ...]``, fp32 `[M,
+    sum R_i]`: `fastlora::lora_shrink_stacked` (see `_lora_shrink_stacked_body`)."""
+    if skips_op_dispatch(*xs, *weights):
+        return _lora_shrink_stacked_body(xs, weights, scales)
+    return lora_shrink_stacked_op(list(xs), list(weights), list(scales))
+
+
+def _lora_shrink_stacked_body(
+    xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], scales: Sequence[float]
+) -> torch.Tensor:
+    """A group's `g_i @ B_i` side by side, each shrink written into its columns of one buffer.
+
+    xs[i]: [M, K_i] and weights[i]: [R_i, K_i] as `lora_shrink` takes them (each pair its own dtypes
+    and strides). Returns [M, sum R_i] float32, token-major (strides (1, M)): the layout
+    lora_weight_grad wants its left operand in. One allocation and one launch per member, where
+    separate shrinks and a cat of their results were one allocation and one launch each, then the
+    cat's own allocation and launch.
+    """
+    _check_stacked_members(xs, weights, scales)  # each member's own checks: in `_shrink_into`
+    ranks = [weight.shape[0] for weight in weights]
+    stacked = torch.empty((sum(ranks), xs[0].shape[0]), dtype=_stacked_dtype(xs[0]), device=xs[0].device)
+    start = 0
+    for x, weight, scale, rank in zip(xs, weights, scales, ranks):
+        _shrink_into(x, weight, float(scale), stacked[start : start + rank].T)
+        start += rank
+    return stacked.T
+
+
+def _shrink_into(x: torch.Tensor, weight: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """`out` ([M, R] fp32) = scale * x @ weight.T, as `_lora_shrink_body` computes it."""
+    if _SHRINK_PLANS.serve(x):  # see `_PLANS_SKIP_CHECKS`
+        plan = _SHRINK_PLANS.get(_shrink_plan_key(x, weight, out))
+        if plan is not None:
+            _run_shrink_plan(plan, x, weight, scale, out)
+            return
+    _check_shrink(x, weight)
+    if runs_triton(x):
+        _lora_shrink_triton(x=x, weight=weight, scale=scale, out=out)
+    else:
+        out.copy_(reference.lora_shrink(x, weight, scale))
+
+
+lora_shrink_stacked_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_shrink_stacked", _lora_shrink_stacked_body, mutates_args=()
+)
+
+
+@lora_shrink_stacked_op.register_fake
+def _(xs: list[torch.Tensor], weights: list[torch.Tensor], scales: list[float]) -> torch.Tensor:
+    _check_shrink_stacked(xs, weights, scales)
+    rows, ranks = xs[0].shape[0], sum(weight.shape[0] for weight in weights)
+    return xs[0].new_empty((ranks, rows), dtype=_stacked_dtype(xs[0])).T
 
 
 def lora_expand_add(
