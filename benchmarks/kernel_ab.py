@@ -1,7 +1,7 @@
 """Kernel time of a library switch on and off, the two arms interleaved step by step in one profile.
 
-python -m benchmarks.kernel_ab [--switch augmented|plans] [--block mlp] [--base nf4] [--adapters fp32]
-    [--tokens 8192] [--steps 12] [--smoke]
+python -m benchmarks.kernel_ab [--switch augmented|plans | --against-floor] [--block mlp] [--base nf4]
+    [--adapters fp32] [--tokens 8192] [--steps 12] [--smoke]
 
 Profiling one arm after the other read the GEMMs a change did not touch 1-7% apart on the H200 (its
 clock moves under load; docs/benchmarks.md, "Seventeenth session"), more than the change itself. Here
@@ -9,7 +9,11 @@ the arms alternate (A B B A A B ..., `harness.balanced_round_order`) inside one 
 session: each step runs under a `record_function` range that closes after a synchronize, and every
 GPU activity (kernel, memcpy, memset) is credited to the step whose range holds its start (the
 trace puts host and GPU events on one clock). Printed per kernel name: calls and microseconds per
-step in each arm and their difference, largest first, then the totals.
+step in each arm and their difference, largest first, then the totals and their ratio.
+
+`--against-floor`: the arms are the frozen base alone (the blocks suite's floor, its own one-layer
+model of the same geometry) and the fused block, so their kernel time per step is compared inside
+one profile, as the block's time over the floor is, without the host.
 
 `--smoke` runs the CPU smoke shapes and credits the host's aten ops instead of kernels: it proves the
 attribution, not a timing (tests/test_benchmark_tools.py).
@@ -114,12 +118,17 @@ def report(credited: dict[str, dict[str, list[float]]], steps_per_arm: dict[str,
     total_a = sum(row[3] for row in table)
     total_b = sum(row[5] for row in table)
     lines.append(f"{total_a:20.1f} {total_b:22.1f} {total_b - total_a:+9.1f}  total")
+    if total_a > 0:
+        lines.append(f"{second} / {first}: {total_b / total_a:.3f}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", default="augmented", choices=sorted(SWITCHES))
+    parser.add_argument(
+        "--against-floor", action="store_true", help="arms: the floor and the fused block (no switch)"
+    )
     parser.add_argument("--block", default="mlp", choices=cases.BLOCKS)
     parser.add_argument("--base", default="nf4", choices=("bf16", "nf4"))
     parser.add_argument("--adapters", default="fp32", choices=sorted(cases.ADAPTER_DTYPES))
@@ -133,10 +142,14 @@ def main() -> None:
     switch = SWITCHES[args.switch]
     plans_default = LaunchPlans.enabled  # off under the Triton interpreter
     fused = cases.one_layer_block_step(geo, args.block, "fastlora", args.base, args.adapters, tokens, device)
-    arms = {
-        args.switch: with_switch(fused, switch, True),
-        f"no_{args.switch}": with_switch(fused, switch, False),
-    }
+    if args.against_floor:
+        floor = cases.one_layer_block_step(geo, args.block, "floor", args.base, args.adapters, tokens, device)
+        arms = {"floor": floor, "fastlora": fused}
+    else:
+        arms = {
+            args.switch: with_switch(fused, switch, True),
+            f"no_{args.switch}": with_switch(fused, switch, False),
+        }
     for step in arms.values():
         for _ in range(3):
             run_once(step)

@@ -103,6 +103,23 @@ def test_kernel_ab_interleaves_the_arms_and_credits_both():
     assert len(calls) == 2 and calls[0] == calls[1] > 0, mm
 
 
+def test_kernel_ab_against_the_floor_profiles_both_models():
+    command = [sys.executable, "-m", "benchmarks.kernel_ab", "--smoke", "--block", "o", "--steps", "2"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [*command, "--against-floor"], cwd=REPO, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "us/step floor" in lines[1] and "us/step fastlora" in lines[1], lines[1]
+    # The floor's o_proj is one linear (an aten::mm forward, one for dX); the fused step runs more
+    # ops than that, among them the LoRA terms' matmuls on the CPU reference path: more mm calls.
+    (mm,) = [line for line in lines if line.rstrip().endswith(" aten::mm")]
+    floor_calls, fused_calls = [float(part.strip("()x")) for part in mm.split() if part.endswith("x)")]
+    assert 0 < floor_calls < fused_calls, mm
+    assert lines[-1].startswith("fastlora / floor: "), lines[-1]
+
+
 def test_augmented_switch_reaches_the_functions_rule_and_restores_it():
     from benchmarks import plans_ab
     from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
