@@ -658,14 +658,23 @@ def _lora_shrink_body(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0)
     x: [M, K] float32/bfloat16/float16; weight: [R, K], any of those dtypes (may differ from x's) and
     any strides (``lora_b.T`` is fine). Returns [M, R] float32, token-major (strides (1, M)).
     """
+    return _shrink(x, weight, scale)
+
+
+def _shrink(
+    x: torch.Tensor, weight: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The shrink ops' common body: into `out` ([M, R], e.g. a member's columns of a stacked result)
+    when given, else into a new token-major result."""
     if _SHRINK_PLANS.serve(x):  # see `_PLANS_SKIP_CHECKS`
-        plan = _SHRINK_PLANS.get(_shrink_plan_key(x, weight))
+        plan = _SHRINK_PLANS.get(_shrink_plan_key(x, weight, out))
         if plan is not None:
-            return _run_shrink_plan(plan, x, weight, scale)
+            return _run_shrink_plan(plan, x, weight, scale, out)
     _check_shrink(x, weight)
     if runs_triton(x):
-        return _lora_shrink_triton(x=x, weight=weight, scale=scale)
-    return reference.lora_shrink(x, weight, scale).T.contiguous().T
+        return _lora_shrink_triton(x=x, weight=weight, scale=scale, out=out)
+    result = reference.lora_shrink(x, weight, scale)
+    return result.T.contiguous().T if out is None else out.copy_(result)
 
 
 lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_shrink_body, mutates_args=())
@@ -728,28 +737,14 @@ def _lora_shrink_stacked_body(
     separate shrinks and a cat of their results were one allocation and one launch each, then the
     cat's own allocation and launch.
     """
-    _check_stacked_members(xs, weights, scales)  # each member's own checks: in `_shrink_into`
+    _check_stacked_members(xs, weights, scales)  # each member's own checks: in `_shrink`
     ranks = [weight.shape[0] for weight in weights]
     stacked = torch.empty((sum(ranks), xs[0].shape[0]), dtype=_stacked_dtype(xs[0]), device=xs[0].device)
     start = 0
     for x, weight, scale, rank in zip(xs, weights, scales, ranks):
-        _shrink_into(x, weight, float(scale), stacked[start : start + rank].T)
+        _shrink(x, weight, float(scale), stacked[start : start + rank].T)
         start += rank
     return stacked.T
-
-
-def _shrink_into(x: torch.Tensor, weight: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """`out` ([M, R] fp32) = scale * x @ weight.T, as `_lora_shrink_body` computes it."""
-    if _SHRINK_PLANS.serve(x):  # see `_PLANS_SKIP_CHECKS`
-        plan = _SHRINK_PLANS.get(_shrink_plan_key(x, weight, out))
-        if plan is not None:
-            _run_shrink_plan(plan, x, weight, scale, out)
-            return
-    _check_shrink(x, weight)
-    if runs_triton(x):
-        _lora_shrink_triton(x=x, weight=weight, scale=scale, out=out)
-    else:
-        out.copy_(reference.lora_shrink(x, weight, scale))
 
 
 lora_shrink_stacked_op = torch.library.custom_op(
