@@ -55,18 +55,11 @@ def rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
     return slices
 
 
-def stacked_lora_a(loras: Sequence[LoraWeights]) -> torch.Tensor:
-    """[sum r, in]: every A of the group, so one pass over x computes all of x @ A_i.T."""
-    if len(loras) == 1:
-        return loras[0].lora_a
-    dtype = functools.reduce(torch.promote_types, [lora.lora_a.dtype for lora in loras])
-    return torch.cat([lora.lora_a.to(dtype) for lora in loras], dim=0)
-
-
 def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
-    """`stacked_lora_a(loras).T` ([in, sum r]) with the rank dim contiguous, the layout the expand-add
-    kernel wants its right operand in: for a group one cat of the transposed views makes it, where
-    the cat and then the launcher's contiguous copy would be two ops."""
+    """Every A of the group transposed, side by side ([in, sum r]) with the rank dim contiguous: the
+    forward's shrink reads it transposed (one pass over x for all of x @ A_i.T), and it is the layout
+    the expand-add kernel wants its right operand in. For a group one cat of the transposed views
+    makes it, where the cat and then the launcher's contiguous copy would be two ops."""
     if len(loras) == 1:
         return loras[0].lora_a.t()  # the launcher copies it
     dtype = functools.reduce(torch.promote_types, [lora.lora_a.dtype for lora in loras])
@@ -101,10 +94,11 @@ def shared_input_forward(
     of a larger output), or None for new ones.
     add_lora_terms: False returns the base outputs alone (of `plan.out_dtype`, in `out` when given),
     for a caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation).
-    lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to stack the As here.
+    lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to make it here.
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
-    stacked_a = stacked_lora_a(loras) if lora_a_t is None else lora_a_t.t()
+    lora_a_t = group_lora_a_t(loras) if lora_a_t is None else lora_a_t
+    stacked_a = loras[0].lora_a if lora_a_t is None else lora_a_t.t()
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_a)
     outputs = []
     for index, (base, lora, ranks) in enumerate(zip(bases, loras, rank_slices(loras))):
