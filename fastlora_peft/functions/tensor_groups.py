@@ -36,10 +36,14 @@ def _rebuild(kind: type, items: list[Any]) -> Any:
         return tuple(items)
     if kind is list:
         return items
-    # A tuple subclass here is a named tuple (the trees hold named tuples, tuples and lists).
-    # issubclass, not hasattr(kind, "_fields"): this walk runs under torch.compile, and dynamo in
-    # torch 2.11 (the GPU machine's) stops at hasattr on a class (tests/test_compile.py failed there).
-    return kind(*items) if issubclass(kind, tuple) else kind(items)
+    return kind(*items) if _is_named_tuple(kind) else kind(items)
+
+
+def _is_named_tuple(kind: type) -> bool:
+    """Whether a sequence type of a tree (named tuples, tuples, lists) other than tuple is a named
+    tuple. issubclass, not hasattr(kind, "_fields"): the walks run under torch.compile, and dynamo in
+    torch 2.11 (the GPU machine's) stops at hasattr on a class (tests/test_compile.py failed there)."""
+    return issubclass(kind, tuple)
 
 
 def _split(node: Any, tensors: list[torch.Tensor]) -> Any:
@@ -131,7 +135,7 @@ def _write_codec(layout: Any) -> _Codec:
             return f"({items})"
         if kind is list:
             return f"[{items}]"
-        if hasattr(kind, "_fields"):
+        if _is_named_tuple(kind):
             return f"_new(K[{kind_index}], ({items}))"
         return f"K[{kind_index}](({items}))"
 
