@@ -170,12 +170,9 @@ def test_shrink_into_a_given_out_is_planned_by_that_out(recorded_launches, first
 
     launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_shrink_triton, make_inputs)
     assert 1.5 in _floats(launch)
-    inputs = make_inputs(2)
-    for out in (
-        torch.empty(2 * R, M)[R - first_rank : 2 * R - first_rank].T,
-        None,
-    ):  # the other alignment, new
-        lora_terms._lora_shrink_triton(**{**inputs, "out": out})
+    other_alignment = torch.empty(2 * R, M)[R - first_rank : 2 * R - first_rank].T
+    for out in (other_alignment, None):  # None: a new result
+        lora_terms._lora_shrink_triton(**{**make_inputs(2), "out": out})
     assert len(lora_terms._SHRINK_PLANS.plans) == 3
 
 
