@@ -1,7 +1,7 @@
 """Kernel time of a library switch on and off, the two arms interleaved step by step in one profile.
 
 python -m benchmarks.kernel_ab [--switch augmented|plans | --against-floor] [--block mlp] [--base nf4]
-    [--adapters fp32] [--tokens 8192] [--steps 12] [--smoke]
+    [--adapters fp32] [--tokens 8192] [--steps 12] [--rows 25] [--smoke]
 
 Profiling one arm after the other read the GEMMs a change did not touch 1-7% apart on the H200 (its
 clock moves under load; docs/benchmarks.md, "Seventeenth session"), more than the change itself. Here
@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--adapters", default="fp32", choices=sorted(cases.ADAPTER_DTYPES))
     parser.add_argument("--tokens", type=int, default=None, help="default: the geometry's batch x seq")
     parser.add_argument("--steps", type=int, default=12, help="profiled steps per arm")
+    parser.add_argument("--rows", type=int, default=25, help="names printed, largest difference first")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves it runs)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -174,7 +175,7 @@ def main() -> None:
     print(
         f"{args.block} {args.base} {args.adapters} {tokens} tokens, {args.steps} steps per arm, interleaved:"
     )
-    print(report(credit_to_arms(windows, credited_events), steps_per_arm))
+    print(report(credit_to_arms(windows, credited_events), steps_per_arm, args.rows))
 
 
 if __name__ == "__main__":

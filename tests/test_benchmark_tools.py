@@ -93,6 +93,7 @@ def test_kernel_ab_credits_each_activity_to_the_step_that_holds_its_start():
 
 def test_kernel_ab_interleaves_the_arms_and_credits_both():
     command = [sys.executable, "-m", "benchmarks.kernel_ab", "--smoke", "--block", "o", "--steps", "2"]
+    command += ["--rows", "10000"]  # every name: the rows are ordered by a timed difference
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -105,6 +106,7 @@ def test_kernel_ab_interleaves_the_arms_and_credits_both():
 
 def test_kernel_ab_against_the_floor_profiles_both_models():
     command = [sys.executable, "-m", "benchmarks.kernel_ab", "--smoke", "--block", "o", "--steps", "2"]
+    command += ["--rows", "10000"]  # every name: the rows are ordered by a timed difference
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(
         [*command, "--against-floor"], cwd=REPO, capture_output=True, text=True, env=env, timeout=600
