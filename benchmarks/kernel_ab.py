@@ -1,6 +1,6 @@
 """Kernel time of a library switch on and off, the two arms interleaved step by step in one profile.
 
-python -m benchmarks.kernel_ab [--switch augmented|plans | --against-floor] [--block mlp] [--base nf4]
+python -m benchmarks.kernel_ab [--switch augmented|plans|addmm | --against-floor] [--block mlp] [--base nf4]
     [--adapters fp32] [--tokens 8192] [--steps 12] [--rows 25] [--smoke]
 
 Profiling one arm after the other read the GEMMs a change did not touch 1-7% apart on the H200 (its
@@ -35,7 +35,7 @@ from fastlora_peft.kernels._launch import LaunchPlans
 
 from . import cases
 from .harness import balanced_round_order, run_once
-from .plans_ab import SWITCHES, set_augmented, with_switch
+from .plans_ab import SWITCHES, set_addmm, set_augmented, with_switch
 
 _RANGE_PREFIX = "kernel_ab:"
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -170,6 +170,7 @@ def main() -> None:
                     steps_per_arm[arm] += 1
     finally:
         set_augmented(True)
+        set_addmm(False)
         LaunchPlans.enabled = plans_default
     windows, credited_events = windows_and_activities(_trace_events(prof), device.type == "cuda")
     print(

@@ -13,7 +13,8 @@ there is not a result (`docs/benchmarks/session16/`).
 
 Switches: `plans`, `LaunchPlans.enabled` ("plans" / "no_plans"); `augmented`, dX's LoRA term inside
 a base GEMM's K where `augmented_member` picks one, against the expand-add everywhere ("augmented" /
-"no_augmented"; `functions/augmented_k.py`).
+"no_augmented"; `functions/augmented_k.py`); `addmm`, `LoraAddmmSettings.mode` "auto" against
+"never" (the forward's and dX's GEMMs with the term inside, `kernels/lora_addmm.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels._launch import LaunchPlans
+from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 
 from . import cases
 from .harness import Clock, Step, balanced_round_order, time_side_by_side
@@ -44,7 +46,15 @@ def set_augmented(enabled: bool) -> None:
     shared_input.augmented_member = gated_mlp.augmented_member = rule
 
 
-SWITCHES: dict[str, Callable[[bool], None]] = {"plans": set_plans, "augmented": set_augmented}
+def set_addmm(enabled: bool) -> None:
+    LoraAddmmSettings.mode = "auto" if enabled else "never"
+
+
+SWITCHES: dict[str, Callable[[bool], None]] = {
+    "plans": set_plans,
+    "augmented": set_augmented,
+    "addmm": set_addmm,
+}
 
 
 def with_switch(step: Step, switch: Callable[[bool], None], enabled: bool) -> Step:
@@ -87,6 +97,7 @@ def main() -> None:
                 order=balanced_round_order,
             )  # fmt: skip
             set_augmented(True)
+            set_addmm(False)
             LaunchPlans.enabled = plans_default
             floor_ms = timings["floor"].step_ms
             columns = [

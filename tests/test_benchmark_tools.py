@@ -39,7 +39,7 @@ def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
     assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
 
 
-@pytest.mark.parametrize("switch", ["plans", "augmented"])
+@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm"])
 def test_plans_ab_times_both_arms_beside_the_floor(switch):
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
     command += ["--repeats", "1", "--rounds", "1", "--switch", switch]

@@ -58,6 +58,25 @@ def test_key_of_tensors_holds_dtype_and_16_byte_alignment():
     assert _argument_key(storage) != _argument_key(storage.to(torch.bfloat16))
 
 
+def test_key_of_tma_descriptors_holds_dtype_alignment_block_and_ints():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    storage = torch.zeros(64 * 96, dtype=torch.bfloat16)
+
+    def descriptor(offset=0, rows=64, row_stride=64, block=(16, 32), dtype=torch.bfloat16):
+        tensor = storage.to(dtype)[offset : offset + rows * row_stride].view(rows, row_stride)
+        return TensorDescriptor.from_tensor(tensor, list(block))
+
+    key = _argument_key(descriptor())
+    assert key == _argument_key(descriptor(rows=32))  # both multiples of 16
+    assert key == _argument_key(descriptor(offset=64))  # 128 bytes on: still aligned
+    assert key != _argument_key(descriptor(rows=33))  # a row count off the multiples of 16
+    assert key != _argument_key(descriptor(row_stride=72, rows=48))  # a stride off them
+    assert key != _argument_key(descriptor(block=(32, 32)))
+    assert key != _argument_key(descriptor(dtype=torch.float16))
+    # 8 bytes on is no TMA base at all (TensorDescriptor refuses it), so alignment is not probed here.
+
+
 def test_key_holds_constexpr_values_and_options():
     kernel = lora_terms._lora_shrink_kernel
     args = (torch.zeros(4), 8)

@@ -32,7 +32,7 @@ from fastlora_peft import FastLoraConfig
 from fastlora_peft.functions import gated_mlp, shared_input
 from fastlora_peft.kernels import lora_addmm as addmm_module
 from fastlora_peft.kernels import lora_addmm_reference as reference
-from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off
+from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off, tma_fits
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # Relative error of a result stored in 16 bits against float64: one rounding (the interpreter
@@ -83,7 +83,8 @@ def test_kernel_matches_float64(
 ):
     a, b, left, right = _operands(*shape, dtype, right_dtype, weight_layout, left_layout, right_layout)
     out = lora_addmm(a, b, left, right, SCALE)
-    assert triton_launches.get("_lora_addmm_kernel") == 1, triton_launches
+    # (40, 64, 64, 48) has 16-byte rows: the TMA kernel (not a CachedKernel: counted below), else this.
+    assert triton_launches.get("_lora_addmm_kernel") == (None if tma_fits(a, b) else 1), triton_launches
     assert out.dtype == dtype and out.is_contiguous()
     truth = _truth(a, b, left, right)
     assert rel_err(out, truth.to(out.device)) <= TOLERANCE[dtype]
@@ -99,6 +100,55 @@ def test_every_placement_of_the_term(lora_at):
     out = addmm_module._lora_addmm_triton(a=a, b=b, left=left, right=right, scale=SCALE, lora_at=lora_at)
     truth = a.double() @ b.double() if lora_at == "none" else _truth(a, b, left, right)
     assert rel_err(out, truth) <= TOLERANCE[BF16]
+
+
+TMA_CASES = [
+    pytest.param(dtype, right_dtype, shape, wl, ll, rl, id="-".join([name, "x".join(map(str, shape)), wl]))
+    for (name, dtype, right_dtype), shape, (wl, ll, rl) in itertools.product(
+        [("bf16", BF16, BF16), ("bf16-fp32a", BF16, FP32), ("fp16", FP16, FP16), ("fp16-fp32a", FP16, FP32)],
+        # odd rows, ragged K and N tiles (the interpreter's tiles are 16 x 32 x 16), rank past 16
+        [(37, 72, 40, 5), (3, 24, 56, 20)],
+        [("dense", "token", "transposed"), ("transposed", "row", "dense")],
+    )
+]  # fmt: skip
+
+
+@pytest.fixture
+def tma_calls(monkeypatch) -> list[bool]:
+    """Records each call of the TMA kernel's launcher (its kernel is not a CachedKernel) by b's layout."""
+    calls: list[bool] = []
+    launcher = addmm_module._lora_addmm_tma_triton
+
+    def counting(*, a, b, **kwargs):
+        calls.append(b.stride(0) == 1)  # K-major b (x @ W.T)
+        return launcher(a=a, b=b, **kwargs)
+
+    monkeypatch.setattr(addmm_module, "_lora_addmm_tma_triton", counting)
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, right_dtype, shape, weight_layout, left_layout, right_layout", TMA_CASES)
+def test_tma_kernel_matches_float64(
+    dtype, right_dtype, shape, weight_layout, left_layout, right_layout, tma_calls, triton_launches
+):
+    # Several tiles per program (the interpreter runs 3 programs), b row-major (dX) or K-major (x @ W.T).
+    a, b, left, right = _operands(*shape, dtype, right_dtype, weight_layout, left_layout, right_layout)
+    out = lora_addmm(a, b, left, right, SCALE)
+    assert tma_calls == [weight_layout == "transposed"] and "_lora_addmm_kernel" not in triton_launches
+    assert out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, _truth(a, b, left, right).to(out.device)) <= TOLERANCE[dtype]
+    assert rel_err(out, _truth(a, b, left, right, scale=1.0)) > 10 * TOLERANCE[dtype]
+
+
+def test_tma_takes_16_byte_rows_only():
+    a, b, _, _ = _operands(37, 72, 40, 5, BF16, BF16, "dense", "row", "dense")
+    assert tma_fits(a, b) and tma_fits(a, b.t().contiguous().t())  # row-major or K-major b
+    assert not tma_fits(a[:, :70], b[:70])  # rows of 140 bytes
+    assert not tma_fits(a, b[:, :37])  # an output row of 74 bytes
+    assert not tma_fits(a[1:], b) or a[1:].data_ptr() % 16 == 0
+    assert not tma_fits(a.float(), b.float())  # 16-bit operands only
+    assert not tma_fits(a, torch.zeros(72, 80, dtype=BF16)[:, ::2])  # neither stride of b is 1
 
 
 def test_empty_batch():
@@ -167,7 +217,7 @@ SIXTEEN_BIT_X = [layout for layout in LAYOUTS if layout.x_dtype != FP32 and layo
 
 
 @pytest.mark.parametrize("layout", SIXTEEN_BIT_X, ids=[layout.id for layout in SIXTEEN_BIT_X])
-def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, triton_launches):
+def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, tma_calls, triton_launches):
     """Same bound as `test_projection_matches_peft_and_float64`, with dX from one lora_addmm call."""
     in_features, out_features = (128, 192) if layout.quantized else (70, 45)
     base = make_projection(layout, in_features, out_features, bias=True)
@@ -183,9 +233,42 @@ def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, triton_la
     _, peft_results = run_projection(peft, layout, x, grad_out)
     assert not calls and type(fast_out.grad_fn).__name__ == FUSED_BACKWARD_NODE
     assert addmm_calls == [(21, 5)], addmm_calls
-    if TRITON_INTERPRET:  # the forward's expand-add only: dX took the kernel instead
-        assert triton_launches.get("_lora_addmm_kernel") == 1, triton_launches
+    if TRITON_INTERPRET:  # the forward's expand-add only (it has a bias): dX took a kernel instead
+        # 70 -> 45 features have rows TMA cannot read; the 4-bit layouts' 128 -> 192 take the TMA kernel.
+        assert tma_calls == ([False] if layout.quantized else []), tma_calls
+        assert triton_launches.get("_lora_addmm_kernel") == (None if layout.quantized else 1), triton_launches
         assert triton_launches.get("_lora_expand_add_kernel") == 1, triton_launches
+    truth = float64_reference(fast.base_model.model.proj, x, grad_out.to(fast_out.dtype))
+    for key, expected in truth.items():
+        fast_error, peft_error = rel_err(fast_results[key], expected), rel_err(peft_results[key], expected)
+        assert fast_error <= 2 * peft_error + ERROR_FLOOR, (
+            f"{key}: {fast_error:.2e} vs PEFT's {peft_error:.2e}"
+        )
+
+
+@pytest.mark.parametrize("layout", SIXTEEN_BIT_X, ids=[layout.id for layout in SIXTEEN_BIT_X])
+def test_projection_forward_and_dx_through_lora_addmm(
+    layout: Layout, addmm_calls, tma_calls, triton_launches
+):
+    """Without a bias the forward's GEMM carries the term too: no expand-add at all, two lora_addmm
+    calls (the TMA kernel for both, forward with a K-major weight), the same float64 bound."""
+    in_features, out_features = (128, 192) if layout.quantized else (72, 48)
+    base = make_projection(layout, in_features, out_features, bias=False)
+    fast = adapt(copy.deepcopy(base), layout, fast=True)
+    peft = adapt(base, layout, fast=False)
+    randomize_lora(fast, seed=1)
+    copy_lora(fast, peft)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 7, in_features, generator=generator).to(layout.x_dtype)
+    grad_out = torch.randn(3, 7, out_features, generator=generator)
+    with count_lora_sublayer_calls(fast) as calls:
+        fast_out, fast_results = run_projection(fast, layout, x, grad_out)
+    _, peft_results = run_projection(peft, layout, x, grad_out)
+    assert not calls and type(fast_out.grad_fn).__name__ == FUSED_BACKWARD_NODE
+    assert addmm_calls == [(21, 5), (21, 5)], addmm_calls
+    if TRITON_INTERPRET:
+        assert tma_calls == [True, False], tma_calls
+        assert "_lora_expand_add_kernel" not in triton_launches, triton_launches
     truth = float64_reference(fast.base_model.model.proj, x, grad_out.to(fast_out.dtype))
     for key, expected in truth.items():
         fast_error, peft_error = rel_err(fast_results[key], expected), rel_err(peft_results[key], expected)
@@ -198,12 +281,13 @@ def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, triton_la
     "layout", [layout for layout in LAYOUTS if layout.x_dtype == FP32], ids=lambda layout: layout.id
 )
 def test_fp32_dx_keeps_cublas(layout: Layout, addmm_calls):
-    """Where dX is fp32 (fp32 model, fp32 x on a 16-bit base, autocast), the path is never taken."""
+    """Where dX is fp32 (fp32 model, fp32 x on a 16-bit base, autocast), dX never takes it; under
+    autocast the forward's output is 16-bit, and its GEMM does."""
     base = make_projection(layout, *((128, 192) if layout.quantized else (70, 45)), bias=False)
     fast = adapt(base, layout, fast=True)
     x = torch.randn(2, 5, 128 if layout.quantized else 70)
     run_projection(fast, layout, x, torch.randn(2, 5, 192 if layout.quantized else 45))
-    assert addmm_calls == []
+    assert addmm_calls == ([(10, 5)] if layout.autocast else [])
 
 
 # Rounding of the fused model against itself on cuBLAS + expand-add: the term joins dX before the
@@ -235,9 +319,11 @@ def test_tiny_llama_dx_through_lora_addmm(dtype_id, adapter_dtype, monkeypatch):
     calls = []
     monkeypatch.setattr(shared_input, "lora_addmm", lambda *args: calls.append(args) or lora_addmm(*args))
     grad_x, grads = step("always")
-    # Per layer: q/k/v as one group (rank 18), o_proj (6), the MLP's down per chunk (6), gate/up (12).
+    # dX per layer: q/k/v as one group (rank 18), o_proj (6), the MLP's down per chunk (6), gate/up
+    # (12); the forward: q, k, v and o_proj (6 each; the MLP's gate/up terms go through its activation
+    # kernel and the chunked down writes into rows of one output).
     ranks = sorted(left.shape[1] for _, _, left, _, _ in calls)
-    assert ranks == [6, 6, 6, 6, 6, 12, 18], ranks
+    assert ranks == [6] * 9 + [12, 18], ranks
     calls.clear()
     grad_x_cublas, grads_cublas = step("never")
     assert calls == []

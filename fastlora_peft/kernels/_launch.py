@@ -18,6 +18,8 @@ The key holds, per argument, everything Triton 3.x specializes a kernel on:
 * an int: its value when 0 or 1, else whether it is a multiple of 16 and whether it fits in 32 bits
   (Triton makes 1 a constant, marks multiples of 16, and picks i32/i64/u64 by range);
 * a float: nothing (always an fp32 argument); None and constexpr values: the value itself;
+* a host-side TMA `TensorDescriptor`: its tensor's dtype and alignment, block shape, padding, and its
+  shape and strides keyed as ints (they reach the kernel as int arguments);
 * the keyword arguments (constexprs and launch options such as num_warps) with their values, and
   the current CUDA device.
 
@@ -30,7 +32,9 @@ A hit calls the compiled kernel's C launch function itself (`_DirectLaunch`), wi
 kernel's Python launch wrapper would pass it, when that wrapper would add nothing: no scratch memory,
 and no launch hook registered (Triton 3.6 keeps an empty hook chain, and its wrapper then still builds
 a metadata dict and the C launcher calls both empty chains, on every launch). Otherwise, or when the
-kernel's launcher is not the CUDA one, the hit goes through ``compiled[grid]`` as before.
+kernel's launcher is not the CUDA one, the hit goes through ``compiled[grid]`` as before. (For a
+kernel with TMA descriptor arguments Triton's "launch function" is a Python wrapper that encodes each
+descriptor for the C launch: a hit calls that wrapper, with the descriptors as they are.)
 
 Launch plans (`LaunchPlans`, `BoundLaunch`, below) skip the key too: a launcher that meets inputs
 of the same metadata again launches the `BoundLaunch` its first call returned, with the numbers it
@@ -44,6 +48,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._backend import TRITON_INTERPRET
 
@@ -65,6 +70,13 @@ def _argument_key(arg: Any) -> Any:
         return None
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is TensorDescriptor:
+        # What a host-side TMA descriptor can be specialized on: its tensor's dtype and alignment,
+        # block shape and padding, and its shape and strides as the ints they are passed as.
+        return (
+            TensorDescriptor, arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape),
+            arg.padding, tuple(map(_argument_key, arg.shape)), tuple(map(_argument_key, arg.strides)),
+        )  # fmt: skip
     # bool, numpy scalars, anything else: its type and value, so nothing is ever merged by mistake.
     return (type(arg), arg)
 

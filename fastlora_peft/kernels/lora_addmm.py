@@ -27,6 +27,23 @@ reading, not profiled: after the loop each tile waits on its `left`/`right` load
 overlap the loop's own prefetches. `LORA_AT` keeps all three placements so the probe can time them
 with this very kernel.
 
+Two kernels compute it. Where TMA can read the operands (a and the output row-major, b either
+row-major or K-major, every row 16-byte aligned: `tma_fits`), a persistent kernel reads its tiles
+through tensor descriptors (nineteenth session: this GEMM ran at 0.97-1.11x cuBLAS at the blocks'
+shapes, and with the term at 0.90-0.95x cuBLAS + expand-add, `docs/benchmarks/session19/
+tma_gemm_probe*`); elsewhere the pointer kernel above. Both start the accumulator with the term.
+`b` K-major (a weight's transpose, `x @ W.T`) is the forward's layout: `lora_addmm(x, W.t(), xa, B,
+s)` is a LoRA projection's output in one GEMM.
+
+Inside the blocks (H200, nineteenth session, `LoraAddmmSettings.mode` "auto" against "never"): the
+fused o_proj's kernels took 839 against 893 us per step at 8192 tokens (`python -m
+benchmarks.kernel_ab --switch addmm --block o`: the TMA kernel's two calls 738 us against cuBLAS's
+two GEMMs and two expand-adds 785), but every block's step took longer (`python -m
+benchmarks.plans_ab --switch addmm`: o_proj 1.95x against 1.77x the floor, q/k/v 1.83x against 1.64x
+at 8192 tokens; at 2048 tokens 4.55x / 3.69x, 4.43x / 3.56x and the MLP 1.37x / 1.21x): each TMA
+launch costs more host time than the launch it saves (three descriptors encoded per call, the
+checks), and these steps are host-bound. So "never" stays the default.
+
 A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
 outside the Triton interpreter, as for every op here.
 """
@@ -41,7 +58,7 @@ from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import CachedKernel, cdiv
 from fastlora_peft.kernels.dots import expand_dot_precision
-from fastlora_peft.kernels.lora_terms import expand_term
+from fastlora_peft.kernels.lora_terms import _num_sms, expand_term
 
 # Where the kernel adds the LoRA term (a constexpr; a jit function reads only tl.constexpr globals).
 NO_TERM, EPILOGUE, PROLOGUE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -53,8 +70,9 @@ class LoraAddmmSettings:
 
     mode: "never" (the default: cuBLAS + `lora_expand_add_` everywhere, as fast inside the blocks, see
     the module docstring), "auto" (on a Hopper GPU, 16-bit operands of one dtype, at least
-    `min_tokens` rows: where the probe timed it faster alone), or "always" (wherever the dtypes allow
-    it: the tests run it under the interpreter).
+    `min_tokens` rows, operands the TMA kernel reads: where the probes timed it faster alone), or
+    "always" (wherever the dtypes allow it: the tests run it under the interpreter). It applies to
+    the forward's base GEMM (`shared_input_forward`: no bias, a new output) and to dX's first GEMM.
     """
 
     mode = "never"
@@ -74,6 +92,7 @@ def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
         a.is_cuda
         and a.shape[0] >= LoraAddmmSettings.min_tokens
         and torch.cuda.get_device_capability(a.device)[0] == 9
+        and tma_fits(a, b)
     )
 
 
@@ -185,6 +204,114 @@ def _lora_addmm_triton(
     return out
 
 
+# The TMA kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): on the H200 128 x 256 x 64, 8
+# warps, 3 stages was the fastest of 12 configs at five of the six block shapes probed (4 stages do
+# not fit its shared memory with descriptors). The interpreter takes small tiles and few programs,
+# so each program walks several tiles.
+TMA_GPU_CONFIG = (128, 256, 64, 8, 3)
+TMA_INTERPRETER_CONFIG = (16, 32, 16, 4, 1)
+_TMA_INTERPRETER_PROGRAMS = 3
+
+
+@CachedKernel
+@triton.jit
+def _lora_addmm_tma_kernel(
+    a_desc, b_desc, out_desc, Left_ptr, Right_ptr,
+    M, N, K, R, scale, stride_lm, stride_lr, stride_rn, stride_rr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, B_K_MAJOR: tl.constexpr, PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Out = A @ B + scale * Left @ Right^T as `_lora_addmm_kernel`, persistent: PROGRAMS programs walk
+    the output tiles in grouped order, reading A, B (K-major: its [N, K] transpose) and writing Out
+    through TMA descriptors (out-of-range rows and columns read as zeros and are not written)."""
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * blocks_n
+    # Not `flatten=True`: with a dot ahead of the K loop the flattened pipeline took twice as long.
+    for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, PROGRAMS):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = scale * expand_term(
+            Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
+            stride_lm, stride_lr, stride_rn, stride_rr,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            if B_K_MAJOR:
+                b = b_desc.load([pid_n * BLOCK_N, k0]).T
+            else:
+                b = b_desc.load([k0, pid_n * BLOCK_N])
+            if FP32_DOT:  # the interpreter computes 16-bit dots wrongly; 16-bit products are exact in fp32
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+            else:
+                acc = tl.dot(a, b, acc)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+def _rows_fit_tma(tensor: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can read: unit last stride, 16-byte aligned start and row stride."""
+    size = tensor.element_size()
+    return (
+        tensor.stride(1) == 1
+        and (tensor.stride(0) * size) % 16 == 0
+        and tensor.data_ptr() % 16 == 0
+        and (tensor.shape[1] * size) % 16 == 0
+    )
+
+
+def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `lora_addmm(a, b, ...)` takes the TMA kernel: a row-major, b row-major or K-major
+    (a [N, K] tensor's transpose), the output's rows (N) 16-byte aligned, every row 16-byte aligned."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or a.shape[0] == 0:
+        return False
+    b_rows = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
+    return _rows_fit_tma(a) and _rows_fit_tma(b_rows) and (b.shape[1] * a.element_size()) % 16 == 0
+
+
+def _lora_addmm_tma_triton(
+    *,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scale: float,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = a.shape
+    N = b.shape[1]
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    right = right if right.stride(1) == 1 else right.contiguous()
+    block_m, block_n, block_k, warps, stages = config or (
+        TMA_GPU_CONFIG if a.is_cuda else TMA_INTERPRETER_CONFIG
+    )
+    b_k_major = b.stride(0) == 1 and b.stride(1) != 1
+    b_desc = (
+        TensorDescriptor.from_tensor(b.t(), [block_n, block_k])
+        if b_k_major
+        else TensorDescriptor.from_tensor(b, [block_k, block_n])
+    )
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    programs = min(tiles, _num_sms(a.device) if a.is_cuda else _TMA_INTERPRETER_PROGRAMS)
+    _lora_addmm_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), b_desc,
+        TensorDescriptor.from_tensor(out, [block_m, block_n]), left, right,
+        M, N, K, left.shape[1], float(scale),
+        left.stride(0), left.stride(1), right.stride(0), right.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE, GROUP_M=8,
+        B_K_MAJOR=b_k_major, PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype),
+        FP32_DOT=not a.is_cuda, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def _check_lora_addmm(a: torch.Tensor, b: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     op = "lora_addmm"
     for name, tensor, layout in (("a", a, "[M, K]"), ("b", b, "[K, N]"), ("left", left, "[M, R]")):
@@ -227,6 +354,8 @@ def _lora_addmm_body(
     """
     _check_lora_addmm(a, b, left, right)
     if runs_triton(a):
+        if tma_fits(a, b):
+            return _lora_addmm_tma_triton(a=a, b=b, left=left, right=right, scale=scale)
         return _lora_addmm_triton(a=a, b=b, left=left, right=right, scale=scale)
     return reference.lora_addmm(a, b, left, right, scale).contiguous()
 
