@@ -216,11 +216,11 @@ def addmm_calls(monkeypatch) -> list[tuple[int, int]]:
 SIXTEEN_BIT_X = [layout for layout in LAYOUTS if layout.x_dtype != FP32 and layout.autocast is None]
 
 
-@pytest.mark.parametrize("layout", SIXTEEN_BIT_X, ids=[layout.id for layout in SIXTEEN_BIT_X])
-def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, tma_calls, triton_launches):
-    """Same bound as `test_projection_matches_peft_and_float64`, with dX from one lora_addmm call."""
-    in_features, out_features = (128, 192) if layout.quantized else (70, 45)
-    base = make_projection(layout, in_features, out_features, bias=True)
+def _check_projection_against_float64(layout: Layout, features: tuple[int, int], bias: bool) -> None:
+    """One fused projection's step (PEFT's sub-layers never called, the fused backward node) against
+    float64: output, dX, dA and dB each within twice PEFT's error (test_projection_numerics' bound)."""
+    in_features, out_features = features
+    base = make_projection(layout, in_features, out_features, bias=bias)
     fast = adapt(copy.deepcopy(base), layout, fast=True)
     peft = adapt(base, layout, fast=False)
     randomize_lora(fast, seed=1)
@@ -232,18 +232,24 @@ def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, tma_calls
         fast_out, fast_results = run_projection(fast, layout, x, grad_out)
     _, peft_results = run_projection(peft, layout, x, grad_out)
     assert not calls and type(fast_out.grad_fn).__name__ == FUSED_BACKWARD_NODE
-    assert addmm_calls == [(21, 5)], addmm_calls
-    if TRITON_INTERPRET:  # the forward's expand-add only (it has a bias): dX took a kernel instead
-        # 70 -> 45 features have rows TMA cannot read; the 4-bit layouts' 128 -> 192 take the TMA kernel.
-        assert tma_calls == ([False] if layout.quantized else []), tma_calls
-        assert triton_launches.get("_lora_addmm_kernel") == (None if layout.quantized else 1), triton_launches
-        assert triton_launches.get("_lora_expand_add_kernel") == 1, triton_launches
     truth = float64_reference(fast.base_model.model.proj, x, grad_out.to(fast_out.dtype))
     for key, expected in truth.items():
         fast_error, peft_error = rel_err(fast_results[key], expected), rel_err(peft_results[key], expected)
         assert fast_error <= 2 * peft_error + ERROR_FLOOR, (
             f"{key}: {fast_error:.2e} vs PEFT's {peft_error:.2e}"
         )
+
+
+@pytest.mark.parametrize("layout", SIXTEEN_BIT_X, ids=[layout.id for layout in SIXTEEN_BIT_X])
+def test_projection_dx_through_lora_addmm(layout: Layout, addmm_calls, tma_calls, triton_launches):
+    """Same bound as `test_projection_matches_peft_and_float64`, with dX from one lora_addmm call."""
+    _check_projection_against_float64(layout, (128, 192) if layout.quantized else (70, 45), bias=True)
+    assert addmm_calls == [(21, 5)], addmm_calls
+    if TRITON_INTERPRET:  # the forward's expand-add only (it has a bias): dX took a kernel instead
+        # 70 -> 45 features have rows TMA cannot read; the 4-bit layouts' 128 -> 192 take the TMA kernel.
+        assert tma_calls == ([False] if layout.quantized else []), tma_calls
+        assert triton_launches.get("_lora_addmm_kernel") == (None if layout.quantized else 1), triton_launches
+        assert triton_launches.get("_lora_expand_add_kernel") == 1, triton_launches
 
 
 @pytest.mark.parametrize("layout", SIXTEEN_BIT_X, ids=[layout.id for layout in SIXTEEN_BIT_X])
@@ -252,29 +258,11 @@ def test_projection_forward_and_dx_through_lora_addmm(
 ):
     """Without a bias the forward's GEMM carries the term too: no expand-add at all, two lora_addmm
     calls (the TMA kernel for both, forward with a K-major weight), the same float64 bound."""
-    in_features, out_features = (128, 192) if layout.quantized else (72, 48)
-    base = make_projection(layout, in_features, out_features, bias=False)
-    fast = adapt(copy.deepcopy(base), layout, fast=True)
-    peft = adapt(base, layout, fast=False)
-    randomize_lora(fast, seed=1)
-    copy_lora(fast, peft)
-    generator = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 7, in_features, generator=generator).to(layout.x_dtype)
-    grad_out = torch.randn(3, 7, out_features, generator=generator)
-    with count_lora_sublayer_calls(fast) as calls:
-        fast_out, fast_results = run_projection(fast, layout, x, grad_out)
-    _, peft_results = run_projection(peft, layout, x, grad_out)
-    assert not calls and type(fast_out.grad_fn).__name__ == FUSED_BACKWARD_NODE
+    _check_projection_against_float64(layout, (128, 192) if layout.quantized else (72, 48), bias=False)
     assert addmm_calls == [(21, 5), (21, 5)], addmm_calls
     if TRITON_INTERPRET:
         assert tma_calls == [True, False], tma_calls
         assert "_lora_expand_add_kernel" not in triton_launches, triton_launches
-    truth = float64_reference(fast.base_model.model.proj, x, grad_out.to(fast_out.dtype))
-    for key, expected in truth.items():
-        fast_error, peft_error = rel_err(fast_results[key], expected), rel_err(peft_results[key], expected)
-        assert fast_error <= 2 * peft_error + ERROR_FLOOR, (
-            f"{key}: {fast_error:.2e} vs PEFT's {peft_error:.2e}"
-        )
 
 
 @pytest.mark.parametrize(

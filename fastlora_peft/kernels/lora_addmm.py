@@ -108,6 +108,16 @@ INTERPRETER_CONFIG = (32, 32, 32, 4, 1)
 RANK_TILE = 16
 
 
+@triton.jit
+def _grouped_tile(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile `tile`: tiles go GROUP_M row blocks per column block,
+    so neighbouring tiles share B's tiles in L2."""
+    per_group = GROUP_M * blocks_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
 @CachedKernel
 @triton.jit
 def _lora_addmm_kernel(
@@ -120,15 +130,7 @@ def _lora_addmm_kernel(
     FP32_DOT: tl.constexpr,
 ):  # fmt: skip
     """Out[M, N] = A[M, K] @ B[K, N] + scale * Left[M, R] @ Right[N, R]^T, summed in fp32, rounded once."""
-    # Programs walk GROUP_M row blocks per column block, so neighbours share B tiles in L2.
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -227,13 +229,9 @@ def _lora_addmm_tma_kernel(
     through TMA descriptors (out-of-range rows and columns read as zeros and are not written)."""
     blocks_m = tl.cdiv(M, BLOCK_M)
     blocks_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * blocks_n
     # Not `flatten=True`: with a dot ahead of the K loop the flattened pipeline took twice as long.
     for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, PROGRAMS):
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
+        pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = scale * expand_term(
