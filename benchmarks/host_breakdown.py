@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
 from fastlora_peft.functions.shared_input import (
@@ -28,6 +29,7 @@ from fastlora_peft.functions.shared_input import (
 )
 from fastlora_peft.functions.tensor_groups import flatten_tensors
 from fastlora_peft.kernels import lora_terms as ops
+from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off, tma_fits
 
 from . import cases
 from .harness import host_and_wall_us
@@ -51,6 +53,19 @@ def step_split_us(forward: Callable[[], torch.Tensor], grad: torch.Tensor, calls
             del out
         best = min(best, (forward_s / calls * 1e6, backward_s / calls * 1e6), key=sum)
     return best
+
+
+def _with_addmm_mode(mode: str, call: Callable[[], object]) -> Callable[[], object]:
+    """`call` with `LoraAddmmSettings.mode` set to `mode` for its duration."""
+
+    def wrapped():
+        previous, LoraAddmmSettings.mode = LoraAddmmSettings.mode, mode
+        try:
+            return call()
+        finally:
+            LoraAddmmSettings.mode = previous
+
+    return wrapped
 
 
 class _Identity(torch.autograd.Function):
@@ -166,6 +181,23 @@ def main() -> None:
     if weight is not None:
         calls["yardstick: floor step (F.linear + backward)"] = step(lambda: F.linear(x, weight))
         calls["yardstick: F.linear"] = lambda: F.linear(x_2d, weight)
+        # The forward's term inside the GEMM (lora_addmm's TMA kernel) against the pair it replaces,
+        # and the pieces of its host time (nineteenth session: the blocks' steps were slower with it).
+        weight_t = weight.t()
+        calls["op lora_addmm(x, W.T, xa, B) (TMA kernel)"] = lambda: lora_addmm(
+            x_2d, weight_t, xa, lora.lora_b, 2.0
+        )
+        calls["  F.linear + lora_expand_add_ (replaced)"] = lambda: ops.lora_expand_add_(
+            F.linear(x_2d, weight), xa, lora.lora_b, 2.0
+        )
+        calls["  tma_fits"] = lambda: tma_fits(x_2d, weight_t)
+        calls["  lora_addmm_pays_off (mode auto)"] = _with_addmm_mode(
+            "auto", lambda: lora_addmm_pays_off(x_2d, weight_t, x_2d.dtype)
+        )
+        calls["  three TensorDescriptor.from_tensor"] = lambda: [
+            TensorDescriptor.from_tensor(t, [64, 64]) for t in (x_2d, weight, out)
+        ]
+        calls["module step, LoraAddmmSettings.mode auto"] = _with_addmm_mode("auto", step(lambda: layer(x)))
     print(f"o_proj {args.base}/{args.adapters}, {args.tokens} tokens: host and wall us per call")
     backward_split(layer, x, grad_out, args.calls)
     in_steps = {"module": lambda: layer(x), "identity Function": lambda: _Identity.apply(x)}
