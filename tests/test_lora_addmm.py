@@ -149,6 +149,7 @@ def test_tma_takes_16_byte_rows_only():
     assert not tma_fits(a[1:], b) or a[1:].data_ptr() % 16 == 0
     assert not tma_fits(a.float(), b.float())  # 16-bit operands only
     assert not tma_fits(a, torch.zeros(72, 80, dtype=BF16)[:, ::2])  # neither stride of b is 1
+    assert not tma_fits(a[:0], b) and not tma_fits(a[:, :0], b[:0])  # no rows, no K: no descriptor
 
 
 def test_empty_batch():

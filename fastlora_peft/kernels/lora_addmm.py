@@ -266,8 +266,8 @@ def _rows_fit_tma(tensor: torch.Tensor) -> bool:
 def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `lora_addmm(a, b, ...)` takes the TMA kernel: a row-major, b row-major or K-major
     (a [N, K] tensor's transpose), the output's rows (N) 16-byte aligned, every row 16-byte aligned."""
-    if a.dtype not in (torch.bfloat16, torch.float16) or a.shape[0] == 0:
-        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or a.numel() == 0 or b.numel() == 0:
+        return False  # a descriptor needs every dimension > 0
     b_rows = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
     return _rows_fit_tma(a) and _rows_fit_tma(b_rows) and (b.shape[1] * a.element_size()) % 16 == 0
 
