@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
@@ -263,12 +264,17 @@ def _rows_fit_tma(tensor: torch.Tensor) -> bool:
     )
 
 
+def _k_major(b: torch.Tensor) -> bool:
+    """b [K, N] is the transpose of a row-major [N, K] (a weight in `x @ W.T`)."""
+    return b.stride(0) == 1 and b.stride(1) != 1
+
+
 def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `lora_addmm(a, b, ...)` takes the TMA kernel: a row-major, b row-major or K-major
     (a [N, K] tensor's transpose), the output's rows (N) 16-byte aligned, every row 16-byte aligned."""
     if a.dtype not in (torch.bfloat16, torch.float16) or a.numel() == 0 or b.numel() == 0:
         return False  # a descriptor needs every dimension > 0
-    b_rows = b.t() if b.stride(0) == 1 and b.stride(1) != 1 else b
+    b_rows = b.t() if _k_major(b) else b
     return _rows_fit_tma(a) and _rows_fit_tma(b_rows) and (b.shape[1] * a.element_size()) % 16 == 0
 
 
@@ -281,8 +287,6 @@ def _lora_addmm_tma_triton(
     scale: float,
     config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
@@ -290,7 +294,7 @@ def _lora_addmm_tma_triton(
     block_m, block_n, block_k, warps, stages = config or (
         TMA_GPU_CONFIG if a.is_cuda else TMA_INTERPRETER_CONFIG
     )
-    b_k_major = b.stride(0) == 1 and b.stride(1) != 1
+    b_k_major = _k_major(b)
     b_desc = (
         TensorDescriptor.from_tensor(b.t(), [block_n, block_k])
         if b_k_major
