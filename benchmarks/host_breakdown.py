@@ -2,6 +2,8 @@
 
 python -m benchmarks.host_breakdown [--adapters bf16|fp32] [--base bf16|nf4] [--tokens 256]
 
+(`LoraAddmmSettings.mode` "auto" takes the TMA GEMM from 2048 tokens on: `--tokens 2048` for its lines.)
+
 `profile_block` showed the o_proj and QKV blocks host-bound: host time per step about equal to wall
 time and well above the GPU's kernel time. This splits that host time into the module's own Python,
 the autograd Function and each kernel op, with the frozen base's step (F.linear and its backward)
@@ -29,6 +31,7 @@ from fastlora_peft.functions.shared_input import (
 )
 from fastlora_peft.functions.tensor_groups import flatten_tensors
 from fastlora_peft.kernels import lora_terms as ops
+from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off, tma_fits
 
 from . import cases
@@ -64,6 +67,19 @@ def _with_addmm_mode(mode: str, call: Callable[[], object]) -> Callable[[], obje
             return call()
         finally:
             LoraAddmmSettings.mode = previous
+
+    return wrapped
+
+
+def _with_plans_off(call: Callable[[], object]) -> Callable[[], object]:
+    """`call` with `LaunchPlans.enabled` False for its duration."""
+
+    def wrapped():
+        LaunchPlans.enabled = False
+        try:
+            return call()
+        finally:
+            LaunchPlans.enabled = True
 
     return wrapped
 
@@ -186,6 +202,9 @@ def main() -> None:
         weight_t = weight.t()
         calls["op lora_addmm(x, W.T, xa, B) (TMA kernel)"] = lambda: lora_addmm(
             x_2d, weight_t, xa, lora.lora_b, 2.0
+        )
+        calls["  the same, launch plans off (no encoded descriptors kept)"] = _with_plans_off(
+            lambda: lora_addmm(x_2d, weight_t, xa, lora.lora_b, 2.0)
         )
         calls["  F.linear + lora_expand_add_ (replaced)"] = lambda: ops.lora_expand_add_(
             F.linear(x_2d, weight), xa, lora.lora_b, 2.0

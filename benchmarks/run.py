@@ -59,10 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--lora-addmm",
-        default="never",
+        default=None,
         choices=("never", "auto", "always"),
-        help="LoraAddmmSettings.mode for fastlora's dX: never (the library's default: cuBLAS + "
-        "lora_expand_add_), auto (lora_addmm on Hopper from 2048 rows), always",
+        help="LoraAddmmSettings.mode for fastlora's forward and dX GEMMs (default: the library's, "
+        "auto): never (cuBLAS + lora_expand_add_), auto (lora_addmm on Hopper from 2048 rows), always",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     parser.add_argument("--redraw", type=Path, help="only draw the plots of this results.json into --out")
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     # Thread-local, so it holds for every backward this (main) thread starts, every provider alike.
     # docs/benchmarks.md ("Where the host time goes") says why it matters for fused Functions.
     torch.autograd.set_multithreading_enabled(args.autograd_threads == "worker")
-    LoraAddmmSettings.mode = args.lora_addmm
+    if args.lora_addmm is not None:
+        LoraAddmmSettings.mode = args.lora_addmm
     suites = [name.strip() for name in args.cases.split(",") if name.strip()]
     unknown = set(suites) - set(SUITES)
     if unknown:
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "smoke": args.smoke, "cases": suites, "geometry": settings.geo.__dict__,
             "autograd_threads": args.autograd_threads,
             "cpus": sorted(args.cpus) if args.cpus else "all",
-            "lora_addmm": args.lora_addmm,
+            "lora_addmm": LoraAddmmSettings.mode,
             **{k: v for k, v in settings.__dict__.items() if k not in ("geo", "device")},
         },
     }  # fmt: skip

@@ -174,3 +174,89 @@ def test_cache_hits_call_the_c_launcher_directly_unless_a_launch_hook_is_registe
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(calls) == 1 and len(seen) == 1
+
+
+def _recording_fill(calls: list):
+    """Triton's fill_tma_descriptor stood in: records its arguments, returns a token per call."""
+
+    def fill(*args):
+        calls.append(args)
+        return f"descriptor {len(calls)}"
+
+    return fill
+
+
+def test_tma_encoder_encodes_each_address_and_shape_once(monkeypatch):
+    """The C launch's arguments for a descriptor: the encoded descriptor, the shape, the strides. One
+    encoding per (address, shape, strides, padding), a tensor read as a zero-padded descriptor of itself."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fastlora_peft.kernels._launch import TmaEncoder
+
+    calls: list = []
+    meta = dict(swizzle=3, elem_size=2, elem_type=9, block_size=[16, 32], fp4_padded=False)
+    encoder = TmaEncoder(meta, _recording_fill(calls), {9: 8})
+    storage = torch.zeros(64 * 48, dtype=torch.bfloat16)
+    x = storage.view(64, 48)
+    assert encoder(x) == ("descriptor 1", 64, 48, 48, 1)
+    assert calls == [(x.data_ptr(), 3, 2, 8, [16, 32], [64, 48], [48, 1], 0)]  # the host's element type
+    assert encoder(TensorDescriptor.from_tensor(x, [16, 32])) == ("descriptor 1", 64, 48, 48, 1)
+    assert encoder(storage[: 32 * 48].view(32, 48))[0] == "descriptor 2"  # same address, other shape
+    assert encoder(storage[48 * 8 :].view(56, 48))[0] == "descriptor 3"  # other address
+    assert encoder(TensorDescriptor.from_tensor(x, [16, 32], padding="nan"))[0] == "descriptor 4"
+    assert calls[-1][-1] == 1
+    assert len(calls) == 4
+    monkeypatch.setattr(TmaEncoder, "MAX_ENCODED", 4)
+    encoder(storage[: 16 * 48].view(16, 48))  # a fifth: the encodings start over
+    assert len(encoder.encoded) == 1
+
+
+def test_bound_launch_of_tma_descriptors(monkeypatch):
+    """A launch bound with descriptor parameters: directly, each is expanded by its encoder in place;
+    through Triton's wrapper (no direct launch, or no encoder per descriptor), a tensor given for one
+    is wrapped as a TensorDescriptor of the bound block shape."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fastlora_peft.kernels import _launch
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    direct_calls, wrapper_calls = [], []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: wrapper_calls.append((grid, args))
+
+    encoders = (lambda arg: ("enc a", *arg.shape), lambda arg: ("enc b", *arg.shape))
+    direct = _launch._DirectLaunch(lambda *args: direct_calls.append(args), 1, False, False, "meta", encoders)
+    x, y = torch.zeros(16, 32), torch.zeros(8, 32)
+    descriptors = ((0, (16, 32)), (2, (8, 32)))
+    bound = _launch.BoundLaunch("k", Compiled(), direct, (4,), ("CONST",), 0, descriptors)
+    bound(x, 5, y, 2.0)
+    assert direct_calls[0][13:] == ("enc a", 16, 32, 5, "enc b", 8, 32, 2.0, "CONST")
+    without_encoders = _launch.BoundLaunch(
+        "k", Compiled(), direct._replace(encoders=()), (4,), (), 0, descriptors
+    )
+    assert without_encoders.direct is None
+    for launch in (without_encoders, _launch.BoundLaunch("k", Compiled(), None, (4,), (), 0, descriptors)):
+        launch(x, 5, TensorDescriptor.from_tensor(y, [8, 32]), 2.0)
+        ((grid, args),) = wrapper_calls[-1:]
+        assert grid == (4, 1, 1) and type(args[0]) is TensorDescriptor and args[0].base is x
+        assert list(args[0].block_shape) == [16, 32] and args[1] == 5 and args[2].base is y
+    assert len(direct_calls) == 1
+
+
+def test_c_launch_found_inside_tritons_descriptor_wrapper():
+    from fastlora_peft.kernels._launch import _c_launch_inside
+
+    c_launch = len  # any builtin stands in for the compiled C launch
+
+    def make_wrapper(launcher):
+        def inner(*args):
+            return launcher(*args)
+
+        return inner
+
+    assert _c_launch_inside(c_launch) is c_launch
+    assert _c_launch_inside(make_wrapper(c_launch)) is c_launch
+    assert _c_launch_inside(make_wrapper(lambda *args: None)) is None
+    assert _c_launch_inside(lambda *args: None) is None

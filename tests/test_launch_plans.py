@@ -21,6 +21,7 @@ from fastlora_peft.kernels import (
     dequant4bit_reference,
     gated_act_lora,
     gated_act_reference,
+    lora_addmm,
     lora_augment,
     lora_terms,
 )
@@ -58,6 +59,9 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     for kernel in _kernel_objects().values():
         monkeypatch.setattr(kernel, "compiled", _AlwaysCompiled(object()))
         monkeypatch.setattr(kernel, "direct", _AlwaysCompiled(direct))
+    # The TMA kernel's three descriptors: encoders with a stand-in for Triton's fill_tma_descriptor.
+    tma_direct = direct._replace(encoders=tuple(_fake_encoder() for _ in range(3)))
+    monkeypatch.setattr(lora_addmm._lora_addmm_tma_kernel, "direct", _AlwaysCompiled(tma_direct))
     # Launches that went through `CachedKernel.launch` (the launcher's own path), not a plan.
     through_cache = _THROUGH_CACHE
     through_cache.clear()
@@ -70,10 +74,24 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(_launch.CachedKernel, "launch", counting_launch)
     all_plans = (lora_terms._SHRINK_PLANS, lora_terms._EXPAND_ADD_PLANS, lora_terms._WEIGHT_GRAD_PLANS)
     gated_plans = (gated_forward._FORWARD_PLANS, gated_act_lora._WEIGHT_GRAD_PLANS)
-    other_plans = (dequant4bit._DEQUANTIZE_PLANS, lora_augment._AUGMENTED_LEFT_PLANS)
+    other_plans = (dequant4bit._DEQUANTIZE_PLANS, lora_augment._AUGMENTED_LEFT_PLANS, lora_addmm._TMA_PLANS)
     for plans in (*all_plans, *gated_plans, *other_plans):
         monkeypatch.setattr(plans, "plans", {})
     return calls
+
+
+_ENCODED_ADDRESSES: list[int] = []
+
+
+def _fake_fill(address, swizzle, elem_size, elem_type, block, shape, strides, padding) -> tuple:
+    """Triton's fill_tma_descriptor stood in: everything but the address, which is recorded."""
+    _ENCODED_ADDRESSES.append(address)
+    return ("tma", swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+
+def _fake_encoder() -> _launch.TmaEncoder:
+    meta = dict(swizzle=3, elem_size=2, elem_type=10, block_size=[16, 32], fp4_padded=False)
+    return _launch.TmaEncoder(meta, _fake_fill, {10: 9})
 
 
 def _same_launch(planned: tuple, unplanned: tuple, inputs: list[torch.Tensor]) -> None:
@@ -279,6 +297,46 @@ def test_gated_weight_grad_plan_launches_what_the_launcher_would(recorded_launch
     assert 1.25 in _floats(launch)
 
 
+# (M, K, N, R, dtype, b K-major (a weight's transpose, the forward), right transposed (lora_a.T, dX))
+TMA_ADDMM_CASES = [
+    (33, 72, 40, 16, torch.bfloat16, True, False),
+    (9, 40, 64, 5, torch.float16, False, True),
+]
+
+
+def _tma_addmm_inputs(M, K, N, R, dtype, k_major, transposed, seed) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    b = _randn(generator, N, K, dtype=dtype).t() if k_major else _randn(generator, K, N, dtype=dtype)
+    left = _randn(generator, M, R, dtype=torch.float32)
+    right = _matrix(generator, N, R, torch.float32, transposed)
+    return dict(a=_randn(generator, M, K, dtype=dtype), b=b, left=left, right=right, scale=2.0 + seed)
+
+
+@pytest.mark.parametrize("case", TMA_ADDMM_CASES, ids=str)
+def test_tma_addmm_plan_launches_what_the_launcher_would(recorded_launches, case):
+    """The TMA kernel's plan passes the tensors where the kernel takes descriptors: the launch encodes
+    them as it encodes the launcher's own TensorDescriptors (the same C-launch arguments), a and b
+    (b's [N, K] transpose when K-major) from their own addresses."""
+    M, K, N, R, dtype, k_major, transposed = case
+    _ENCODED_ADDRESSES.clear()
+    make_inputs = lambda seed: _tma_addmm_inputs(M, K, N, R, dtype, k_major, transposed, seed)  # noqa: E731
+    launch = _planned_and_unplanned(recorded_launches, lora_addmm._lora_addmm_tma_triton, make_inputs)
+    assert 3.0 in _floats(launch)
+    b_rows = (N, K) if k_major else (K, N)
+    descriptors = [value for value in launch if type(value) is tuple and value[0] == "tma"]
+    assert [value[5] for value in descriptors] == [(M, K), b_rows, (M, N)]  # a, b, the output
+    inputs = make_inputs(2)
+    for encoder in lora_addmm._lora_addmm_tma_kernel.direct.get(None).encoders:
+        encoder.encoded.clear()  # freed inputs' addresses come back: start from nothing encoded
+    _ENCODED_ADDRESSES.clear()
+    out = lora_addmm._lora_addmm_tma_triton(**inputs)
+    assert _ENCODED_ADDRESSES == [inputs["a"].data_ptr(), inputs["b"].data_ptr(), out.data_ptr()]
+    # The same a and b again: their encoded descriptors are reused (only a new output's is encoded).
+    lora_addmm._lora_addmm_tma_triton(**inputs)
+    assert _ENCODED_ADDRESSES[:3] == [inputs["a"].data_ptr(), inputs["b"].data_ptr(), out.data_ptr()]
+    assert len(_ENCODED_ADDRESSES) <= 4
+
+
 def _shrink_op_inputs(seed):
     generator = torch.Generator().manual_seed(seed)
     return dict(
@@ -335,6 +393,10 @@ OP_CASES = {
     ),
     "lora_augmented_left": (
         lora_augment.lora_augmented_left, lora_augment, "_check_augmented_left", _augmented_left_op_inputs,
+    ),
+    "lora_addmm (TMA)": (
+        lora_addmm.lora_addmm, lora_addmm, "_check_lora_addmm",
+        lambda seed: _tma_addmm_inputs(33, 72, 40, 16, torch.bfloat16, True, True, seed),
     ),
 }  # fmt: skip
 
@@ -532,3 +594,37 @@ def test_planned_launches_compute_the_reference(triton_launches):
         "_gated_act_lora_forward_kernel", "_gated_act_backward_weight_grad_kernel",
     ):  # fmt: skip
         assert triton_launches[kernel] == 2, kernel
+
+
+@needs_cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+)
+@pytest.mark.parametrize("k_major", [True, False], ids=["forward", "dx"])
+def test_tma_plan_launches_directly_and_computes_the_reference(triton_launches, monkeypatch, k_major):
+    """On Hopper: lora_addmm's TMA kernel launches through its C launch with our descriptor encoders
+    (no Triton wrapper), from its plan on the second call, and each call still computes the reference
+    (new values at the same addresses, so the reused encodings read the new values)."""
+    device = torch.device("cuda")
+    monkeypatch.setattr(lora_addmm._TMA_PLANS, "plans", {})
+    generator = torch.Generator(device=device).manual_seed(0)
+    M, K, N, R = 1000, 512, 384, 16
+    a = torch.empty(M, K, device=device, dtype=torch.bfloat16)
+    b_rows = torch.empty((N, K) if k_major else (K, N), device=device, dtype=torch.bfloat16)
+    b = b_rows.t() if k_major else b_rows
+    left = torch.empty(M, R, device=device)
+    right = torch.empty(R, N, device=device).t()  # lora_a.T-like: copied by the launcher
+    for call in range(3):
+        for tensor in (a, b_rows, left, right):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, device=device))
+        out = lora_addmm.lora_addmm(a, b, left, right, 0.5 + call)
+        expected = lora_addmm.reference.lora_addmm(
+            a.double(), b.double(), left.double(), right.double(), 0.5 + call
+        )
+        error = ((out.double() - expected).norm() / expected.norm()).item()
+        assert error < 5e-3, (call, error)  # one bf16 rounding of an fp32 sum
+    assert triton_launches["_lora_addmm_tma_kernel"] == 3
+    plan = lora_addmm._TMA_PLANS.get(lora_addmm._tma_plan_key(a, b, left, right))
+    assert plan is not None and plan.launch.direct is not None
+    assert len(plan.launch.direct.encoders) == 3
+    assert all(encoder.encoded for encoder in plan.launch.direct.encoders)

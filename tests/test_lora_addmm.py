@@ -189,12 +189,13 @@ def test_checks_name_the_problem(bad, match):
 
 
 def test_pays_off_only_where_measured(monkeypatch):
-    """Off by default; "auto" never picks it off a Hopper GPU; "always" wherever the dtypes allow."""
+    """ "auto" by default, which never picks it off a Hopper GPU; "never" nowhere; "always" wherever
+    the dtypes allow."""
     a, b = torch.zeros(4096, 8, dtype=BF16), torch.zeros(8, 8, dtype=BF16)
-    assert LoraAddmmSettings.mode == "never"
-    assert not lora_addmm_pays_off(a, b, BF16)
-    monkeypatch.setattr(LoraAddmmSettings, "mode", "auto")
+    assert LoraAddmmSettings.mode == "auto"
     assert not lora_addmm_pays_off(a, b, BF16)  # a CPU tensor: cuBLAS + expand-add stays
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "never")
+    assert not lora_addmm_pays_off(a, b, BF16)
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
     assert lora_addmm_pays_off(a, b, BF16)
     assert not lora_addmm_pays_off(a.float(), b.float(), FP32)  # fp32 GEMMs stay cuBLAS's

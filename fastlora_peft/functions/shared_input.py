@@ -107,8 +107,8 @@ def shared_input_forward(
         destination = None if out is None else out[index]
         if add_lora_terms and destination is None and bias is None and LoraAddmmSettings.mode != "never":
             # The term inside the GEMM (`lora_addmm`, x @ W.T as a K-major b) where it pays off: one
-            # launch and no second pass over the output. (Off by default: the mode is read first, so
-            # the default path pays no host time here.)
+            # launch and no second pass over the output. (The mode is read first, so "never" pays no
+            # host time here.)
             weight_t = weight.t()
             if lora_addmm_pays_off(x_compute, weight_t, plan.out_dtype):
                 outputs.append(lora_addmm(x_compute, weight_t, xa[:, ranks], lora.lora_b, lora.scale))

@@ -32,9 +32,16 @@ A hit calls the compiled kernel's C launch function itself (`_DirectLaunch`), wi
 kernel's Python launch wrapper would pass it, when that wrapper would add nothing: no scratch memory,
 and no launch hook registered (Triton 3.6 keeps an empty hook chain, and its wrapper then still builds
 a metadata dict and the C launcher calls both empty chains, on every launch). Otherwise, or when the
-kernel's launcher is not the CUDA one, the hit goes through ``compiled[grid]`` as before. (For a
-kernel with TMA descriptor arguments Triton's "launch function" is a Python wrapper that encodes each
-descriptor for the C launch: a hit calls that wrapper, with the descriptors as they are.)
+kernel's launcher is not the CUDA one, the hit goes through ``compiled[grid]`` as before.
+
+A kernel with host-side TMA descriptor parameters gets the same direct launch. Triton wraps its C
+launch in a Python function that encodes every descriptor (`cuTensorMapEncodeTiled`, through
+`fill_tma_descriptor`) on every launch, after the launcher built a `TensorDescriptor` object for it.
+Here each descriptor parameter has a `TmaEncoder` instead: it encodes a (tensor address, shape,
+strides) once and hands the same encoded descriptor to every later launch that reads the same
+memory through the same shape (an encoded descriptor holds nothing but those numbers and the
+compiled kernel's block and swizzle, so reuse is exact). A launch plan passes the tensors themselves
+where the kernel takes descriptors: no `TensorDescriptor` is built on a hit.
 
 Launch plans (`LaunchPlans`, `BoundLaunch`, below) skip the key too: a launcher that meets inputs
 of the same metadata again launches the `BoundLaunch` its first call returned, with the numbers it
@@ -89,21 +96,91 @@ class _DirectLaunch(NamedTuple):
     cooperative: bool
     pdl: bool
     packed_metadata: Any
+    # One per TMA descriptor parameter, in order: what the C launch takes for it (`TmaEncoder`).
+    encoders: tuple = ()
+
+
+class TmaEncoder:
+    """The C launch's arguments for one TMA descriptor parameter of one compiled kernel: the encoded
+    descriptor, then the shape and strides, as Triton's wrapper makes them (`make_tensordesc_arg`),
+    each (address, shape, strides, padding) encoded once.
+
+    `meta` is the compiled kernel's `tensordesc_meta` entry (block, swizzle, element type); `fill` is
+    Triton's `fill_tma_descriptor` (a parameter so the CPU tests can stand one in).
+    """
+
+    # Distinct (address, shape, strides) seen; past this many they are dropped and encoded again as
+    # they recur (activations come from the caching allocator's few addresses per shape).
+    MAX_ENCODED = 1024
+
+    def __init__(self, meta: dict, fill: Callable[..., Any], host_elem_types: dict[int, int]) -> None:
+        if meta.get("fp4_padded"):
+            raise ValueError("TmaEncoder: fp4-padded descriptors are not supported")
+        self.fill = fill
+        self.swizzle = meta["swizzle"]
+        self.elem_size = meta["elem_size"]
+        # Triton numbers TMA element types differently on the host and the device.
+        self.host_elem_type = host_elem_types[meta["elem_type"]]
+        self.block_size = meta["block_size"]
+        self.encoded: dict[tuple, Any] = {}
+
+    def __call__(self, arg: Any) -> tuple:
+        """`arg`: a `TensorDescriptor`, or a tensor read whole (zero padding, the block from `meta`)."""
+        if type(arg) is TensorDescriptor:
+            base, shape, strides = arg.base, tuple(arg.shape), tuple(arg.strides)
+            padding = 1 if arg.padding == "nan" else 0
+        else:
+            base, shape, strides, padding = arg, tuple(arg.shape), arg.stride(), 0
+        key = (base.data_ptr(), shape, strides, padding)
+        encoded = self.encoded.get(key)
+        if encoded is None:
+            if len(self.encoded) >= self.MAX_ENCODED:
+                self.encoded.clear()
+            encoded = self.fill(
+                key[0], self.swizzle, self.elem_size, self.host_elem_type, self.block_size,
+                list(shape), list(strides), padding,
+            )  # fmt: skip
+            self.encoded[key] = encoded
+        return (encoded, *shape, *strides)
+
+
+def _c_launch_inside(wrapper: Callable[..., None]) -> Optional[Callable[..., None]]:
+    """The C launch that Triton's descriptor-encoding wrapper (`wrap_handle_tensordesc`) closes over."""
+    if type(wrapper).__name__ == "builtin_function_or_method":
+        return wrapper
+    closure = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()))
+    cell = closure.get("launcher")
+    launch = None if cell is None else cell.cell_contents
+    return launch if type(launch).__name__ == "builtin_function_or_method" else None
 
 
 def _direct_launch(compiled) -> Optional[_DirectLaunch]:
-    """The C launch of `compiled` when its Python wrapper would only forward to it, else None."""
+    """The C launch of `compiled` when its Python wrapper would only forward to it (or, for TMA
+    descriptors, encode them, which `TmaEncoder` does instead), else None."""
     launcher = compiled.run  # loads the module (handles) on first use
     if type(launcher).__name__ != "CudaLauncher":
         return None
     if launcher.global_scratch_size > 0 or launcher.profile_scratch_size > 0:
         return None  # the wrapper allocates scratch memory per launch
+    descriptor_metas = getattr(compiled.metadata, "tensordesc_meta", None) or ()
+    launch = _c_launch_inside(launcher.launch)
+    wrapped = launch is not launcher.launch
+    if launch is None or (wrapped and not descriptor_metas) or None in descriptor_metas:
+        return None  # a wrapper we do not know, or descriptors decomposed into pointers and sizes
+    encoders = ()
+    if descriptor_metas:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+        from triton.runtime.driver import driver
+
+        fill = driver.active.utils.fill_tma_descriptor
+        encoders = tuple(TmaEncoder(meta, fill, TMA_DTYPE_DEVICE_TO_HOST) for meta in descriptor_metas)
     return _DirectLaunch(
-        launcher.launch,
+        launch,
         compiled.function,
         launcher.launch_cooperative_grid,
         launcher.launch_pdl,
         compiled.packed_metadata,
+        encoders,
     )
 
 
@@ -176,7 +253,12 @@ class CachedKernel:
 
     def bound(self, compiled, direct, grid, args, meta, device) -> "BoundLaunch":
         constexprs = tuple(meta[name] for name in self.arg_names[len(args) :])
-        return BoundLaunch(self.name, compiled, direct, grid, constexprs, device)
+        descriptors = tuple(
+            (position, tuple(arg.block_shape))
+            for position, arg in enumerate(args)
+            if type(arg) is TensorDescriptor
+        )
+        return BoundLaunch(self.name, compiled, direct, grid, constexprs, device, descriptors)
 
 
 class BoundLaunch:
@@ -189,17 +271,29 @@ class BoundLaunch:
     launch's host time). The caller is responsible for that sameness, by keying its plan on them.
     """
 
-    __slots__ = ("name", "compiled", "direct", "grid", "constexprs", "device")
+    __slots__ = ("name", "compiled", "direct", "grid", "constexprs", "device", "descriptors")
 
     def __init__(
-        self, name: str, compiled, direct: Optional[_DirectLaunch], grid, constexprs: tuple, device: int
+        self,
+        name: str,
+        compiled,
+        direct: Optional[_DirectLaunch],
+        grid,
+        constexprs: tuple,
+        device: int,
+        descriptors: tuple[tuple[int, tuple[int, ...]], ...] = (),
     ):
         self.name = name  # the kernel's, for counting launches in tests
         self.compiled = compiled
-        self.direct = direct
+        # A kernel with TMA descriptors launches directly only with one encoder per descriptor.
+        usable = direct is not None and len(direct.encoders) == len(descriptors)
+        self.direct = direct if usable else None
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.constexprs = constexprs
         self.device = device
+        # (position, block shape) of each TMA descriptor parameter. A caller may pass the tensor itself
+        # there (read whole, zero padding): a plan's launch builds no descriptor object.
+        self.descriptors = descriptors
 
     def __call__(self, *args: Any) -> None:
         """A launch plan's launch (tests count these by `name`)."""
@@ -208,8 +302,12 @@ class BoundLaunch:
     def launch(self, *args: Any) -> None:
         direct = self.direct
         if direct is None or _launch_hooks_registered():
+            if self.descriptors:
+                args = self._with_descriptor_objects(args)
             self.compiled[self.grid](*args, *self.constexprs)
             return
+        if self.descriptors:
+            args = self._with_encoded_descriptors(args, direct.encoders)
         grid_x, grid_y, grid_z = self.grid
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         # The C launch's arguments as the wrapper passes them: grid, stream, function, cooperative,
@@ -219,6 +317,25 @@ class BoundLaunch:
             grid_x, grid_y, grid_z, stream, direct.function, direct.cooperative, direct.pdl, None, None,
             direct.packed_metadata, None, None, None, *args, *self.constexprs,
         )  # fmt: skip
+
+    def _with_encoded_descriptors(self, args: tuple, encoders: tuple) -> list:
+        """args with each descriptor parameter expanded into what the C launch takes for it."""
+        expanded: list = []
+        start = 0
+        for (position, _), encode in zip(self.descriptors, encoders):
+            expanded += args[start:position]
+            expanded += encode(args[position])
+            start = position + 1
+        expanded += args[start:]
+        return expanded
+
+    def _with_descriptor_objects(self, args: tuple) -> list:
+        """args with a tensor given for a descriptor parameter wrapped as Triton's wrapper wants it."""
+        args = list(args)
+        for position, block_shape in self.descriptors:
+            if type(args[position]) is not TensorDescriptor:
+                args[position] = TensorDescriptor.from_tensor(args[position], list(block_shape))
+        return args
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:

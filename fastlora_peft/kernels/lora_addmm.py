@@ -1,10 +1,12 @@
 """A GEMM that starts its accumulator with the LoRA term: ``a @ b + scale * left @ right.T``, one rounding.
 
-``lora_addmm(a, b, left, right, scale)`` can replace ``torch.mm`` followed by ``lora_expand_add_``
-for a fused Function's dX, which saves the expand-add's extra read and write of the `[M, N]` output.
-It is off by default (`LoraAddmmSettings.mode = "never"`): on the H200 it beat that pair alone but
-not inside the blocks. Timed alone (`python -m benchmarks.gemm_lora_probe`, rank 16, bf16, do_bench
-medians in us, `docs/benchmarks/session8/gemm_lora_probe_prologue.log` and `_2048.log`):
+``lora_addmm(a, b, left, right, scale)`` replaces ``torch.mm`` (or ``F.linear``) followed by
+``lora_expand_add_`` in a fused Function's forward and dX, which saves the expand-add's launch and
+its extra read and write of the `[M, N]` output. On by default where the TMA kernel below runs (a
+Hopper GPU, 16-bit operands, at least 2048 rows: `LoraAddmmSettings.mode = "auto"`), since the
+twentieth session. The pointer kernel came first (eighth session); timed alone (`python -m
+benchmarks.gemm_lora_probe`, rank 16, bf16, do_bench medians in us,
+`docs/benchmarks/session8/gemm_lora_probe_prologue.log` and `_2048.log`):
 
 | shape (8192 tokens; 2048 in brackets) | cuBLAS | cuBLAS + expand-add | this kernel |
 |---|---|---|---|
@@ -40,15 +42,27 @@ fused o_proj's kernels took 839 against 893 us per step at 8192 tokens (`python 
 benchmarks.kernel_ab --switch addmm --block o`: the TMA kernel's two calls 738 us against cuBLAS's
 two GEMMs and two expand-adds 785), but every block's step took longer (`python -m
 benchmarks.plans_ab --switch addmm`: o_proj 1.95x against 1.77x the floor, q/k/v 1.83x against 1.64x
-at 8192 tokens; at 2048 tokens 4.55x / 3.69x, 4.43x / 3.56x and the MLP 1.37x / 1.21x): each TMA
-launch costs more host time than the launch it saves (three descriptors encoded per call, the
-checks), and these steps are host-bound. So "never" stays the default.
+at 8192 tokens): each TMA launch cost more host time than the launch it saved, and these steps are
+host-bound. Twentieth session: the TMA launch got a launch plan, and its descriptors are encoded
+once per (address, shape, strides) and handed to the compiled kernel's C launch directly
+(`_launch.TmaEncoder`). An o_proj forward's `lora_addmm` then took 25 us of host time, against 64 us
+before and 35 us for F.linear + expand-add (`python -m benchmarks.host_breakdown --adapters fp32
+--tokens 2048`, `docs/benchmarks/session20/host_breakdown_o_2048_fp32.log`). "auto" / "never" in one
+process (`plans_ab --switch addmm --bases bf16,nf4`, fp32 adapters, x the floor,
+`session20/plans_ab_addmm_*_planned.log`): o_proj 1.73 / 1.89 (bf16) and 1.41 / 1.57 (NF4) at 8192
+tokens, 4.62 / 5.56 and 1.78 / 1.93 at 2048; q/k/v 1.75 / 1.91 and 1.40 / 1.37 at 8192, 3.63 / 3.87
+and 1.34 / 1.31 at 2048; the MLP 1.10 / 1.09 and 1.05 / 1.08 at 8192, 1.16 / 1.17 and 1.11 / 1.03
+at 2048 (spreads 4-79%). The training step, separate processes: 1.023-1.041x the floor with "auto"
+against 1.029-1.053x with "never" (`session20/blocks_e2e_sweep.md`, `e2e_never.json`). So "auto"
+became the default.
 
 A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
 outside the Triton interpreter, as for every op here.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -57,7 +71,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import CachedKernel, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_terms import _num_sms, expand_term
 
@@ -67,16 +81,16 @@ LORA_AT = {"none": NO_TERM.value, "epilogue": EPILOGUE.value, "prologue": PROLOG
 
 
 class LoraAddmmSettings:
-    """When the fused Functions' dX takes `lora_addmm` (read at every backward).
+    """When the fused Functions' GEMMs take `lora_addmm` (read at every call).
 
-    mode: "never" (the default: cuBLAS + `lora_expand_add_` everywhere, as fast inside the blocks, see
-    the module docstring), "auto" (on a Hopper GPU, 16-bit operands of one dtype, at least
-    `min_tokens` rows, operands the TMA kernel reads: where the probes timed it faster alone), or
-    "always" (wherever the dtypes allow it: the tests run it under the interpreter). It applies to
-    the forward's base GEMM (`shared_input_forward`: no bias, a new output) and to dX's first GEMM.
+    mode: "auto" (the default: on a Hopper GPU, 16-bit operands of one dtype, at least `min_tokens`
+    rows, operands the TMA kernel reads; see the module docstring), "never" (cuBLAS +
+    `lora_expand_add_` everywhere), or "always" (wherever the dtypes allow it: the tests run it under
+    the interpreter). It applies to the forward's base GEMM (`shared_input_forward`: no bias, a new
+    output) and to dX's first GEMM (where no augmented GEMM carries the term).
     """
 
-    mode = "never"
+    mode = "auto"
     min_tokens = 2048
 
 
@@ -90,11 +104,19 @@ def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
     if mode == "always":
         return True
     return (
-        a.is_cuda
-        and a.shape[0] >= LoraAddmmSettings.min_tokens
-        and torch.cuda.get_device_capability(a.device)[0] == 9
-        and tma_fits(a, b)
+        a.is_cuda and a.shape[0] >= LoraAddmmSettings.min_tokens and _is_hopper(a.device) and tma_fits(a, b)
     )
+
+
+_HOPPER: dict[torch.device, bool] = {}
+
+
+def _is_hopper(device: torch.device) -> bool:
+    """Compute capability 9.x, asked once per device (a few microseconds per call otherwise)."""
+    hopper = _HOPPER.get(device)
+    if hopper is None:
+        hopper = _HOPPER[device] = torch.cuda.get_device_capability(device)[0] == 9
+    return hopper
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). H200: 128 x 256 x 64, 8 warps, 4 stages was the fastest
@@ -287,10 +309,17 @@ def _lora_addmm_tma_triton(
     scale: float,
     config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
+    plan_key = None
+    if config is None and _TMA_PLANS.enabled:
+        plan_key = _tma_plan_key(a, b, left, right)
+        plan = _TMA_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_tma_plan(plan, a, b, left, right, scale)
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    right = right if right.stride(1) == 1 else right.contiguous()
+    right_copied = right.stride(1) != 1
+    right = right.contiguous() if right_copied else right
     block_m, block_n, block_k, warps, stages = config or (
         TMA_GPU_CONFIG if a.is_cuda else TMA_INTERPRETER_CONFIG
     )
@@ -302,15 +331,46 @@ def _lora_addmm_tma_triton(
     )
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     programs = min(tiles, _num_sms(a.device) if a.is_cuda else _TMA_INTERPRETER_PROGRAMS)
-    _lora_addmm_tma_kernel[(programs,)](
+    sizes = (M, N, K, left.shape[1])
+    strides = (left.stride(0), left.stride(1), right.stride(0), right.stride(1))
+    bound = _lora_addmm_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]), b_desc,
         TensorDescriptor.from_tensor(out, [block_m, block_n]), left, right,
-        M, N, K, left.shape[1], float(scale),
-        left.stride(0), left.stride(1), right.stride(0), right.stride(1),
+        *sizes, float(scale), *strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE, GROUP_M=8,
         B_K_MAJOR=b_k_major, PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype),
         FP32_DOT=not a.is_cuda, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _TMA_PLANS.add(plan_key, _TmaPlan(bound, right_copied, b_k_major, (M, N), sizes, strides))
+    return out
+
+
+class _TmaPlan(NamedTuple):
+    """What `_lora_addmm_tma_triton` derived from its inputs' metadata, to launch the same again. The
+    launch takes a, b (its [N, K] transpose when K-major) and the output where the kernel reads
+    descriptors: `BoundLaunch` encodes them (once per address and shape, `_launch.TmaEncoder`)."""
+
+    launch: BoundLaunch
+    copy_right: bool  # right was copied to a contiguous one first (its strides below are the copy's)
+    b_k_major: bool
+    out_shape: tuple[int, int]
+    sizes: tuple[int, int, int, int]  # M, N, K, R
+    strides: tuple[int, int, int, int]  # left's and right's
+
+
+_TMA_PLANS = LaunchPlans("lora_addmm_tma")
+
+
+def _tma_plan_key(a, b, left, right) -> tuple:
+    """The one key of a TMA plan: the launcher's and the op body's lookups must agree."""
+    return _TMA_PLANS.key(a, b, left, right)
+
+
+def _run_tma_plan(plan: _TmaPlan, a, b, left, right, scale) -> torch.Tensor:
+    right = right.contiguous() if plan.copy_right else right
+    out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
+    plan.launch(a, b.t() if plan.b_k_major else b, out, left, right, *plan.sizes, float(scale), *plan.strides)
     return out
 
 
@@ -354,6 +414,10 @@ def _lora_addmm_body(
     [out, in]); left: [M, R] float32 (`g @ B`), right: [N, R] any float dtype and strides (lora_a.T).
     Returns [M, N] contiguous, a's dtype.
     """
+    if _TMA_PLANS.serve(a):  # a hit skips the checks and `tma_fits`: see lora_terms' `_PLANS_SKIP_CHECKS`
+        plan = _TMA_PLANS.get(_tma_plan_key(a, b, left, right))
+        if plan is not None:
+            return _run_tma_plan(plan, a, b, left, right, scale)
     _check_lora_addmm(a, b, left, right)
     if runs_triton(a):
         if tma_fits(a, b):
