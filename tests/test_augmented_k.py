@@ -278,3 +278,66 @@ def test_forced_lora_addmm_keeps_the_term(monkeypatch):
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
     _, _, ops = _run_case("qkv", "nf4-bf16-adapters", True, monkeypatch)
     assert ops[AUGMENTED_OP] == 0 and ops["fastlora.lora_addmm"] == 1, ops
+
+
+def test_auto_lora_addmm_takes_the_dx_term_from_the_augmented_gemm(monkeypatch):
+    """Where "auto" gives a shared-input dX's first GEMM to lora_addmm, that GEMM carries the term and
+    no member's K is augmented (on the CPU lora_addmm itself stays off, so the expand-add adds it)."""
+    monkeypatch.setattr(shared_input, "lora_addmm_auto_takes", lambda grad, compute, out: True)
+    _, _, ops = _run_case("qkv", "nf4-bf16-adapters", True, monkeypatch)
+    assert ops[AUGMENTED_OP] == 0 and ops[EXPAND_OP] == 1, ops
+
+
+def test_what_auto_gives_lora_addmm_before_the_weight_is_at_hand(monkeypatch):
+    from fastlora_peft.kernels import lora_addmm
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm_auto_takes
+
+    monkeypatch.setattr(lora_addmm, "_is_hopper", lambda device: device == "hopper")
+    grad = SimpleNamespace(is_cuda=True, shape=(2048, 4096), device="hopper")
+    assert lora_addmm_auto_takes(grad, BF16, BF16) and lora_addmm_auto_takes(grad, FP16, FP16)
+    assert not lora_addmm_auto_takes(grad, FP32, FP32)  # fp32 GEMMs stay cuBLAS's
+    assert not lora_addmm_auto_takes(grad, BF16, FP32)  # dX handed out wider than it is computed
+    assert not lora_addmm_auto_takes(
+        SimpleNamespace(is_cuda=True, shape=(2047, 64), device="hopper"), BF16, BF16
+    )
+    assert not lora_addmm_auto_takes(
+        SimpleNamespace(is_cuda=True, shape=(4096, 64), device="ampere"), BF16, BF16
+    )
+    assert not lora_addmm_auto_takes(
+        SimpleNamespace(is_cuda=False, shape=(4096, 64), device="hopper"), BF16, BF16
+    )
+    for mode in ("never", "always"):  # "always" keeps the augmented GEMM out by itself
+        monkeypatch.setattr(LoraAddmmSettings, "mode", mode)
+        assert not lora_addmm_auto_takes(grad, BF16, BF16)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+)
+@pytest.mark.real_host_cost
+@pytest.mark.parametrize("layout_id", ["bf16", "nf4-fp32-adapters"])
+def test_qkv_dx_at_llama_shapes_takes_lora_addmm_under_auto(layout_id, monkeypatch):
+    """A q/k/v group at 8192 tokens, where the rule picks k's augmented K: under "auto" (the default)
+    the forward's three GEMMs and dX's first take lora_addmm and nothing is augmented; under "never"
+    k's GEMM carries the term. The gradients of the two agree within the 16-bit rounding of dX."""
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+
+    dtype, adapter_dtype, quantized = LAYOUTS[layout_id]
+    results = {}
+    for mode in ("auto", "never"):
+        monkeypatch.setattr(LoraAddmmSettings, "mode", mode)
+        generator = torch.Generator().manual_seed(5)
+        shapes = [(4096, 4096, 16, 2.0), (4096, 1024, 16, 2.0), (4096, 1024, 16, 2.0)]
+        pairs = [_projection(*shape, dtype, adapter_dtype, quantized, generator, "cuda") for shape in shapes]
+        bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
+        x = torch.randn(8192, 4096, generator=generator).to("cuda", dtype).requires_grad_()
+        with OpCounter() as counter:
+            outputs = _qkv(x, bases, loras, DtypePlan(dtype, dtype))
+            grad_outs = [torch.randn(out.shape, generator=generator).to("cuda", out.dtype) for out in outputs]
+            grads = _fused_grads(x, loras, outputs, grad_outs)
+        results[mode] = (counter.ops, grads)
+    auto_ops, never_ops = results["auto"][0], results["never"][0]
+    assert auto_ops["fastlora.lora_addmm"] == 4 and auto_ops[AUGMENTED_OP] == 0, auto_ops
+    assert never_ops["fastlora.lora_addmm"] == 0 and never_ops[AUGMENTED_OP] == 1, never_ops
+    for auto_grad, never_grad in zip(*(results[mode][1] for mode in ("auto", "never"))):
+        assert rel_err(auto_grad, never_grad) < 1e-2

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
-from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off
+from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_auto_takes, lora_addmm_pays_off
 from ..kernels.lora_terms import (
     lora_expand_add,
     lora_expand_add_,
@@ -196,8 +196,14 @@ def shared_input_grad_x(
     grad_x_base = None
     term_pending = with_lora_term  # until one GEMM (augmented, lora_addmm) or the expand-add adds it
     tokens = grads_2d[0].shape[0]
-    # lora_addmm forced ("always", its tests and probes) keeps the term it was asked to carry.
+    # lora_addmm forced ("always", its tests and probes) keeps the term it was asked to carry, and
+    # where "auto" gives it the first GEMM it carries the term at no extra pass over dX or g: the
+    # augmented K's left operand (a copy of g_j) and its launch cost more. H200, q/k/v at 8192 tokens,
+    # fp32 adapters, augmented / not in one process under "auto": 2.16x / 1.93x the floor (bf16) and
+    # 1.54x / 1.45x (NF4) (`python -m benchmarks.plans_ab --switch augmented --blocks qkv,mlp --bases
+    # bf16,nf4`, docs/benchmarks/session20/plans_ab_augmented_under_auto_8192.log).
     augment = with_lora_term and allow_augmented and LoraAddmmSettings.mode != "always"
+    augment = augment and not lora_addmm_auto_takes(grads_2d[0], plan.compute_dtype, x_dtype)
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
     order = range(len(bases)) if member is None else [member, *(i for i in range(len(bases)) if i != member)]
     for index in order:

@@ -87,11 +87,26 @@ class LoraAddmmSettings:
     rows, operands the TMA kernel reads; see the module docstring), "never" (cuBLAS +
     `lora_expand_add_` everywhere), or "always" (wherever the dtypes allow it: the tests run it under
     the interpreter). It applies to the forward's base GEMM (`shared_input_forward`: no bias, a new
-    output) and to dX's first GEMM (where no augmented GEMM carries the term).
+    output) and to dX's first GEMM. In "auto" a shared-input dX that would take it takes it in place
+    of the augmented GEMM (`shared_input_grad_x`; "always" keeps the augmented one out).
     """
 
     mode = "auto"
     min_tokens = 2048
+
+
+def lora_addmm_auto_takes(grad: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether "auto" gives a dX of `grad`'s rows, computed in `compute_dtype` into `out_dtype`, to
+    `lora_addmm`: everything `lora_addmm_pays_off` checks before the weight is materialized (its
+    layout is checked there; a weight TMA cannot read leaves cuBLAS + expand-add)."""
+    return (
+        LoraAddmmSettings.mode == "auto"
+        and compute_dtype == out_dtype
+        and compute_dtype in (torch.bfloat16, torch.float16)
+        and grad.is_cuda
+        and grad.shape[0] >= LoraAddmmSettings.min_tokens
+        and _is_hopper(grad.device)
+    )
 
 
 def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
