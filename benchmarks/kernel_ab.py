@@ -31,11 +31,9 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from fastlora_peft.kernels._launch import LaunchPlans
-
 from . import cases
 from .harness import balanced_round_order, run_once
-from .plans_ab import SWITCHES, set_addmm, set_augmented, with_switch
+from .plans_ab import SWITCHES, library_defaults, with_switch
 
 _RANGE_PREFIX = "kernel_ab:"
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -141,7 +139,7 @@ def main() -> None:
     geo = cases.SMOKE if args.smoke else cases.LLAMA_8B
     tokens = args.tokens or geo.tokens
     switch = SWITCHES[args.switch]
-    plans_default = LaunchPlans.enabled  # off under the Triton interpreter
+    restore_defaults = library_defaults()
     fused = cases.one_layer_block_step(geo, args.block, "fastlora", args.base, args.adapters, tokens, device)
     if args.against_floor:
         floor = cases.one_layer_block_step(geo, args.block, "floor", args.base, args.adapters, tokens, device)
@@ -169,9 +167,7 @@ def main() -> None:
                             torch.cuda.synchronize()
                     steps_per_arm[arm] += 1
     finally:
-        set_augmented(True)
-        set_addmm(False)
-        LaunchPlans.enabled = plans_default
+        restore_defaults()
     windows, credited_events = windows_and_activities(_trace_events(prof), device.type == "cuda")
     print(
         f"{args.block} {args.base} {args.adapters} {tokens} tokens, {args.steps} steps per arm, interleaved:"

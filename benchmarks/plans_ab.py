@@ -57,6 +57,21 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
 }
 
 
+def library_defaults() -> Callable[[], None]:
+    """What puts the switches back as the library had them when this was called: launch plans on or
+    off (off under the interpreter), the augmented rule, `LoraAddmmSettings.mode` ("auto" by default
+    since the twentieth session: a reset to "never" after one block would run every later block of
+    the command without lora_addmm)."""
+    plans, addmm_mode = LaunchPlans.enabled, LoraAddmmSettings.mode
+
+    def restore() -> None:
+        LaunchPlans.enabled = plans
+        set_augmented(True)
+        LoraAddmmSettings.mode = addmm_mode
+
+    return restore
+
+
 def with_switch(step: Step, switch: Callable[[bool], None], enabled: bool) -> Step:
     """The same step, with the switch set for its forward and the backward that follows it."""
 
@@ -81,7 +96,7 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke else "cuda")
     geo = cases.SMOKE if args.smoke else cases.LLAMA_8B
     switch, arm = SWITCHES[args.switch], args.switch
-    plans_default = LaunchPlans.enabled  # off under the Triton interpreter
+    restore_defaults = library_defaults()
     for base in args.bases.split(","):
         for block in args.blocks.split(","):
             layout = (base, args.adapters, args.tokens, device)
@@ -96,9 +111,7 @@ def main() -> None:
                 steps, Clock(device), warmup=5, repeats=args.repeats, rounds=args.rounds,
                 order=balanced_round_order,
             )  # fmt: skip
-            set_augmented(True)
-            set_addmm(False)
-            LaunchPlans.enabled = plans_default
+            restore_defaults()
             floor_ms = timings["floor"].step_ms
             columns = [
                 f"{name} {t.step_ms:.3f} ms ({t.step_ms / floor_ms:.2f}x, spread {t.spread_pct:.0f}%)"

@@ -182,3 +182,24 @@ def test_rounds_alternate_the_order_of_the_steps():
         + ["fastlora"] * 2
     )
     assert set(timings) == set(steps)
+
+
+def test_ab_tools_put_the_library_defaults_back():
+    """After a block, plans_ab and kernel_ab restore the switches as they found them: "auto" stays
+    "auto" (a reset to "never" made every later block of a command run without lora_addmm)."""
+    from benchmarks import plans_ab
+    from fastlora_peft.functions import augmented_k, shared_input
+    from fastlora_peft.kernels._launch import LaunchPlans
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+
+    assert LoraAddmmSettings.mode == "auto"
+    plans = LaunchPlans.enabled
+    restore = plans_ab.library_defaults()
+    try:
+        for switch in plans_ab.SWITCHES.values():
+            switch(False)
+        assert LoraAddmmSettings.mode == "never" and shared_input.augmented_member is plans_ab._no_member
+    finally:
+        restore()
+    assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
+    assert shared_input.augmented_member is augmented_k.augmented_member

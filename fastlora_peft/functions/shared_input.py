@@ -199,9 +199,10 @@ def shared_input_grad_x(
     # lora_addmm forced ("always", its tests and probes) keeps the term it was asked to carry, and
     # where "auto" gives it the first GEMM it carries the term at no extra pass over dX or g: the
     # augmented K's left operand (a copy of g_j) and its launch cost more. H200, q/k/v at 8192 tokens,
-    # fp32 adapters, augmented / not in one process under "auto": 2.16x / 1.93x the floor (bf16) and
-    # 1.54x / 1.45x (NF4) (`python -m benchmarks.plans_ab --switch augmented --blocks qkv,mlp --bases
-    # bf16,nf4`, docs/benchmarks/session20/plans_ab_augmented_under_auto_8192.log).
+    # bf16 base, fp32 adapters, augmented / not in one process under "auto": 2.16x / 1.93x the floor
+    # (`python -m benchmarks.plans_ab --switch augmented --blocks qkv --bases bf16`,
+    # docs/benchmarks/session20/plans_ab_augmented_under_auto_8192.log, its first row; the NF4 base
+    # was not measured under "auto", see docs/benchmarks.md "Twentieth session").
     augment = with_lora_term and allow_augmented and LoraAddmmSettings.mode != "always"
     augment = augment and not lora_addmm_auto_takes(grads_2d[0], plan.compute_dtype, x_dtype)
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
