@@ -102,10 +102,8 @@ def lora_addmm_auto_takes(grad: torch.Tensor, compute_dtype: torch.dtype, out_dt
     return (
         LoraAddmmSettings.mode == "auto"
         and compute_dtype == out_dtype
-        and compute_dtype in (torch.bfloat16, torch.float16)
-        and grad.is_cuda
-        and grad.shape[0] >= LoraAddmmSettings.min_tokens
-        and _is_hopper(grad.device)
+        and compute_dtype in _SIXTEEN_BIT
+        and _auto_device_and_rows(grad)
     )
 
 
@@ -114,13 +112,19 @@ def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
     mode = LoraAddmmSettings.mode
     if mode == "never" or a.dtype != b.dtype or a.dtype != out_dtype:
         return False
-    if a.dtype not in (torch.bfloat16, torch.float16):  # fp32 GEMMs stay cuBLAS's (no tf32 here)
+    if a.dtype not in _SIXTEEN_BIT:  # fp32 GEMMs stay cuBLAS's (no tf32 here)
         return False
     if mode == "always":
         return True
-    return (
-        a.is_cuda and a.shape[0] >= LoraAddmmSettings.min_tokens and _is_hopper(a.device) and tma_fits(a, b)
-    )
+    return _auto_device_and_rows(a) and tma_fits(a, b)
+
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def _auto_device_and_rows(a: torch.Tensor) -> bool:
+    """ "auto"'s device and size rule: a Hopper GPU, at least `min_tokens` rows."""
+    return a.is_cuda and a.shape[0] >= LoraAddmmSettings.min_tokens and _is_hopper(a.device)
 
 
 _HOPPER: dict[torch.device, bool] = {}
