@@ -203,7 +203,7 @@ def main() -> None:
         calls["op lora_addmm(x, W.T, xa, B) (TMA kernel)"] = lambda: lora_addmm(
             x_2d, weight_t, xa, lora.lora_b, 2.0
         )
-        calls["  the same, launch plans off (no encoded descriptors kept)"] = _with_plans_off(
+        calls["  the same, launch plans off (descriptors built and keyed)"] = _with_plans_off(
             lambda: lora_addmm(x_2d, weight_t, xa, lora.lora_b, 2.0)
         )
         calls["  F.linear + lora_expand_add_ (replaced)"] = lambda: ops.lora_expand_add_(

@@ -46,8 +46,9 @@ at 8192 tokens): each TMA launch cost more host time than the launch it saved, a
 host-bound. Twentieth session: the TMA launch got a launch plan, and its descriptors are encoded
 once per (address, shape, strides) and handed to the compiled kernel's C launch directly
 (`_launch.TmaEncoder`). An o_proj forward's `lora_addmm` then took 25 us of host time, against 64 us
-before and 35 us for F.linear + expand-add (`python -m benchmarks.host_breakdown --adapters fp32
---tokens 2048`, `docs/benchmarks/session20/host_breakdown_o_2048_fp32.log`). "auto" / "never" in one
+with plans off (descriptors built and keyed per call) and 35 us for F.linear + expand-add (`python -m
+benchmarks.host_breakdown --adapters fp32 --tokens 2048`,
+`docs/benchmarks/session20/host_breakdown_o_2048_fp32.log`). "auto" / "never" in one
 process (`plans_ab --switch addmm --bases bf16,nf4`, fp32 adapters, x the floor,
 `session20/plans_ab_addmm_*_planned.log`): o_proj 1.73 / 1.89 (bf16) and 1.41 / 1.57 (NF4) at 8192
 tokens, 4.62 / 5.56 and 1.78 / 1.93 at 2048; q/k/v 1.75 / 1.91 and 1.40 / 1.37 at 8192, 3.63 / 3.87
