@@ -70,8 +70,8 @@ LORA_ADDMM_LAYOUTS = [layout for layout in GPU_LAYOUTS if layout.x_dtype != torc
 @pytest.mark.parametrize("projection", ["o", "down"])
 @pytest.mark.parametrize("layout", LORA_ADDMM_LAYOUTS, ids=[layout.id for layout in LORA_ADDMM_LAYOUTS])
 def test_projection_dx_through_lora_addmm_at_8b_sizes(layout: Layout, projection: str, monkeypatch):
-    """The same float64 bound with the forward's GEMM and dX made by `lora_addmm` (forced: it is off
-    by default; at these sizes its TMA kernel)."""
+    """The same float64 bound with the forward's GEMM and dX made by `lora_addmm` (forced with
+    "always", so every layout below takes it whatever "auto" decides; at these sizes its TMA kernel)."""
     from fastlora_peft.functions import shared_input
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm
 
