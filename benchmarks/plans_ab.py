@@ -1,7 +1,7 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented] [--tokens 8192] [--blocks o,qkv,mlp]
-    [--bases bf16,nf4] [--adapters fp32]
+python -m benchmarks.plans_ab [--switch plans|augmented|addmm] [--tokens 8192] [--blocks o,qkv,mlp]
+    [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
 processes and machines, so a before/after of a switch is only readable inside one process: the same
@@ -12,9 +12,11 @@ machine: with both arms on the same path they still read up to 12% apart, so a s
 there is not a result (`docs/benchmarks/session16/`).
 
 Switches: `plans`, `LaunchPlans.enabled` ("plans" / "no_plans"); `augmented`, dX's LoRA term inside
-a base GEMM's K where `augmented_member` picks one, against the expand-add everywhere ("augmented" /
-"no_augmented"; `functions/augmented_k.py`); `addmm`, `LoraAddmmSettings.mode` "auto" against
-"never" (the forward's and dX's GEMMs with the term inside, `kernels/lora_addmm.py`).
+a base GEMM's K where `augmented_member` picks one (also where "auto" gives dX's first GEMM to
+lora_addmm), against no augmented K anywhere: lora_addmm where "auto" takes the GEMM, the
+expand-add elsewhere ("augmented" / "no_augmented"; `functions/augmented_k.py`); `addmm`,
+`LoraAddmmSettings.mode` "auto" against "never" (the forward's and dX's GEMMs with the term inside,
+`kernels/lora_addmm.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
+from fastlora_peft.kernels import lora_addmm
 from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 
@@ -40,10 +43,24 @@ def _no_member(*args) -> None:
     return None
 
 
+def _never_takes(*args) -> bool:
+    return False
+
+
 def set_augmented(enabled: bool) -> None:
-    """The Functions' own name for the rule, so the backward they run next reads the switch."""
+    """The Functions' own names for the rules, so the backward they run next reads the switch. On:
+    dX's LoRA term inside a base GEMM's K wherever `augmented_member` picks one, also where "auto"
+    hands the first dX GEMM to lora_addmm instead (q/k/v, o: `lora_addmm_auto_takes`; left in place,
+    both arms would run that path and the A/B would compare it with itself). Off: never augmented."""
     rule = augmented_k.augmented_member if enabled else _no_member
     shared_input.augmented_member = gated_mlp.augmented_member = rule
+    shared_input.lora_addmm_auto_takes = _never_takes if enabled else lora_addmm.lora_addmm_auto_takes
+
+
+def library_rules() -> None:
+    """The rules `set_augmented` replaces, back as the library defines them."""
+    shared_input.augmented_member = gated_mlp.augmented_member = augmented_k.augmented_member
+    shared_input.lora_addmm_auto_takes = lora_addmm.lora_addmm_auto_takes
 
 
 def set_addmm(enabled: bool) -> None:
@@ -62,12 +79,12 @@ def library_defaults() -> Callable[[], None]:
     off (off under the interpreter), the augmented rule, `LoraAddmmSettings.mode` ("auto" by default
     since the twentieth session: a reset to "never" after one block would run every later block of
     the command without lora_addmm)."""
-    plans, addmm_mode = LaunchPlans.enabled, LoraAddmmSettings.mode
+    plans, addmm_mode, min_tokens = LaunchPlans.enabled, LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens
 
     def restore() -> None:
         LaunchPlans.enabled = plans
-        set_augmented(True)
-        LoraAddmmSettings.mode = addmm_mode
+        library_rules()
+        LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens = addmm_mode, min_tokens
 
     return restore
 
@@ -91,8 +108,14 @@ def main() -> None:
     parser.add_argument("--adapters", default="fp32", choices=sorted(cases.ADAPTER_DTYPES))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=6, help="6 puts each arm in each place twice")
+    parser.add_argument(
+        "--addmm-min-tokens", type=int, default=None,
+        help="LoraAddmmSettings.min_tokens for the whole command (default: the library's)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (proves it runs)")
     args = parser.parse_args()
+    if args.addmm_min_tokens is not None:  # before library_defaults, which then keeps it per block
+        LoraAddmmSettings.min_tokens = args.addmm_min_tokens
     device = torch.device("cpu" if args.smoke else "cuda")
     geo = cases.SMOKE if args.smoke else cases.LLAMA_8B
     switch, arm = SWITCHES[args.switch], args.switch

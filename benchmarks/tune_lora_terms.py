@@ -1,7 +1,7 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
 python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit | --gated
-                                     | --gated-forward | --split-shrink]
+                                     | --gated-forward | --split-shrink | --shrink-rows]
 
 Per shape: the default, then the fastest configs.
 
@@ -11,12 +11,15 @@ The launchers' defaults in `fastlora_peft/kernels/lora_terms.py` cite what this 
 from __future__ import annotations
 
 import itertools
+import statistics
 import sys
 
 import torch
 from triton.testing import do_bench
 
 from fastlora_peft.kernels import lora_terms as lt
+
+from .kernel_ab import _trace_events
 
 TOKENS = 8192
 
@@ -75,6 +78,75 @@ def tune_split_shrink(rows: int, k: int, rank: int, transposed: bool) -> None:
         except Exception as error:  # out of shared memory / registers for this config
             print(f"  skip {config}: {type(error).__name__}")
     name = f"split shrink M={rows} K={k} R={rank}{' B.T' if transposed else ''} (bf16 weight {native:.1f}us)"
+    _report(name, default, results, x.numel() * 2)
+
+
+# (BLOCK_M, BLOCK_K, warps, stages) of `--shrink-rows`: the launcher's tiles (64 x 64 split dot, 32
+# x 128 native, the wide split's 128 x 64) and their neighbours, each under several K splits.
+_SHRINK_ROWS_CONFIGS = (
+    (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (64, 64, 8, 4),
+    (128, 64, 8, 3), (128, 64, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3),
+)  # fmt: skip
+_SHRINK_SPLITS = (1, 2, 4, 8, 16)
+
+
+def kernel_times_us(launches: dict, kernel_name: str, calls: int = 20) -> dict:
+    """{key: median microseconds of the kernel named `kernel_name`} of each launch in `launches` ({key:
+    zero-argument callable launching it once}), read from one profile with L2 flushed before each
+    call. At 2048 rows a shrink runs 10-30us, less than an unplanned launch's host time, so do_bench's
+    events around each call would time the host for every config but the planned default."""
+    working = {}
+    for key, launch in launches.items():
+        try:
+            launch()  # compiles
+            working[key] = launch
+        except Exception as error:  # out of shared memory / registers for this config
+            print(f"  skip {key}: {type(error).__name__}")
+    torch.cuda.synchronize()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for launch in working.values():
+            for _ in range(calls):
+                flush.zero_()
+                launch()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in _trace_events(prof) if e.get("cat") == "kernel" and kernel_name in e["name"]),
+        key=lambda event: event["ts"],
+    )
+    if len(kernels) != calls * len(working):
+        raise RuntimeError(
+            f"{len(kernels)} {kernel_name} kernels for {len(working)} launches x {calls} calls"
+        )
+    return {
+        key: statistics.median(event["dur"] for event in kernels[i * calls : (i + 1) * calls])
+        for i, key in enumerate(working)
+    }
+
+
+def tune_shrink_rows(rows: int, k: int, rank: int, transposed: bool, weight_dtype: torch.dtype) -> None:
+    """The shrink at few rows (2048: fewer row tiles than SMs, so the launcher splits K): the default
+    launch against tiles x K splits, each timed by its kernel alone (`kernel_times_us`). transposed:
+    the weight read as `[K, R]` transposed, as dY @ B reads lora_B.T and the forward reads a group's
+    stacked A.T."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(k, rank, device="cuda").t() if transposed else torch.randn(rank, k, device="cuda")
+    weight = weight.to(weight_dtype)
+    launches = {"default": lambda: lt._lora_shrink_triton(x=x, weight=weight)}
+    for (block_m, block_k, warps, stages), split in itertools.product(_SHRINK_ROWS_CONFIGS, _SHRINK_SPLITS):
+
+        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages, split=split):
+            lt._lora_shrink_triton(
+                x=x, weight=weight, split=split, block_m=block_m, block_k=block_k,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+        launches[(block_m, block_k, warps, stages, split)] = launch
+    times = kernel_times_us(launches, "_lora_shrink_kernel")
+    default = times.pop("default")
+    results = [(us, dict(zip(("m", "k", "w", "s", "split"), key))) for key, us in times.items()]
+    name = f"shrink M={rows} K={k} R={rank}{' T' if transposed else ''} w={str(weight_dtype)[6:]}"
     _report(name, default, results, x.numel() * 2)
 
 
@@ -257,6 +329,17 @@ def main() -> None:
             (2048, 14336, 16, False), (2048, 14336, 16, True),
         ):  # fmt: skip
             tune_split_shrink(rows, k, rank, transposed)
+        return
+    if "--shrink-rows" in sys.argv:
+        # The shrinks of one 2048-token step: the MLP's x @ [A_gate | A_up].T, h @ A_down.T, dY @ B_down
+        # and dgate @ B_gate (dup @ B_up alike); q/k/v's x @ [A_q | A_k | A_v].T and dY @ B of k (v
+        # alike); o's x @ A.T (its dY @ B is the MLP's dY @ B_down shape).
+        for dtype in (torch.float32, bf16):
+            for k, rank, transposed in (
+                (4096, 32, True), (14336, 16, False), (4096, 16, True), (14336, 16, True),
+                (4096, 48, True), (1024, 16, True), (4096, 16, False),
+            ):  # fmt: skip
+                tune_shrink_rows(2048, k, rank, transposed, dtype)
         return
     if "--gated-forward" in sys.argv:
         for dtype in (bf16, fp32):

@@ -122,16 +122,24 @@ def test_kernel_ab_against_the_floor_profiles_both_models():
     assert lines[-1].startswith("fastlora / floor: "), lines[-1]
 
 
-def test_augmented_switch_reaches_the_functions_rule_and_restores_it():
+def test_augmented_switch_reaches_the_functions_rules_and_restores_them():
+    """On, the augmented K is considered also where "auto" would give dX's first GEMM to lora_addmm
+    (else both arms of q/k/v's A/B ran lora_addmm); off, no member is augmented."""
     from benchmarks import plans_ab
     from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
+    from fastlora_peft.kernels import lora_addmm
 
     try:
         plans_ab.set_augmented(False)
         assert shared_input.augmented_member is gated_mlp.augmented_member is plans_ab._no_member
-    finally:
+        assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
         plans_ab.set_augmented(True)
+        assert shared_input.augmented_member is gated_mlp.augmented_member is augmented_k.augmented_member
+        assert shared_input.lora_addmm_auto_takes is plans_ab._never_takes
+    finally:
+        plans_ab.library_rules()
     assert shared_input.augmented_member is gated_mlp.augmented_member is augmented_k.augmented_member
+    assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
 
 
 def test_balanced_rounds_put_every_step_in_every_place_alike():
@@ -189,6 +197,7 @@ def test_ab_tools_put_the_library_defaults_back():
     "auto" (a reset to "never" made every later block of a command run without lora_addmm)."""
     from benchmarks import plans_ab
     from fastlora_peft.functions import augmented_k, shared_input
+    from fastlora_peft.kernels import lora_addmm
     from fastlora_peft.kernels._launch import LaunchPlans
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 
@@ -198,8 +207,11 @@ def test_ab_tools_put_the_library_defaults_back():
     try:
         for switch in plans_ab.SWITCHES.values():
             switch(False)
+        LoraAddmmSettings.min_tokens = 1
         assert LoraAddmmSettings.mode == "never" and shared_input.augmented_member is plans_ab._no_member
     finally:
         restore()
     assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
+    assert LoraAddmmSettings.min_tokens == 2048
     assert shared_input.augmented_member is augmented_k.augmented_member
+    assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
