@@ -293,12 +293,14 @@ def test_what_auto_gives_lora_addmm_before_the_weight_is_at_hand(monkeypatch):
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm_auto_takes
 
     monkeypatch.setattr(lora_addmm, "_is_hopper", lambda device: device == "hopper")
-    grad = SimpleNamespace(is_cuda=True, shape=(2048, 4096), device="hopper")
+    rows = LoraAddmmSettings.min_tokens
+    assert rows == 512  # measured down to 256-512 tokens (docs/benchmarks.md, "Twenty-first session")
+    grad = SimpleNamespace(is_cuda=True, shape=(rows, 4096), device="hopper")
     assert lora_addmm_auto_takes(grad, BF16, BF16) and lora_addmm_auto_takes(grad, FP16, FP16)
     assert not lora_addmm_auto_takes(grad, FP32, FP32)  # fp32 GEMMs stay cuBLAS's
     assert not lora_addmm_auto_takes(grad, BF16, FP32)  # dX handed out wider than it is computed
     assert not lora_addmm_auto_takes(
-        SimpleNamespace(is_cuda=True, shape=(2047, 64), device="hopper"), BF16, BF16
+        SimpleNamespace(is_cuda=True, shape=(rows - 1, 64), device="hopper"), BF16, BF16
     )
     assert not lora_addmm_auto_takes(
         SimpleNamespace(is_cuda=True, shape=(4096, 64), device="ampere"), BF16, BF16

@@ -198,11 +198,13 @@ def shared_input_grad_x(
     tokens = grads_2d[0].shape[0]
     # lora_addmm forced ("always", its tests and probes) keeps the term it was asked to carry, and
     # where "auto" gives it the first GEMM it carries the term at no extra pass over dX or g: the
-    # augmented K's left operand (a copy of g_j) and its launch cost more. H200, q/k/v at 8192 tokens,
-    # bf16 base, fp32 adapters, augmented / not in one process under "auto": 2.16x / 1.93x the floor
-    # (`python -m benchmarks.plans_ab --switch augmented --blocks qkv --bases bf16`,
-    # docs/benchmarks/session20/plans_ab_augmented_under_auto_8192.log, its first row; the NF4 base
-    # was not measured under "auto", see docs/benchmarks.md "Twentieth session").
+    # augmented K's left operand (a copy of g_j) and its launch cost more host time. H200, q/k/v at
+    # 8192 tokens, fp32 adapters, augmented / not in one process under "auto" (`python -m
+    # benchmarks.plans_ab --switch augmented --blocks qkv --bases nf4,bf16`): 1.64x / 1.53x the floor
+    # on NF4 and 1.62x / 1.58x on bf16 (docs/benchmarks/session21/plans_ab_aug_qkv_8192_real.log;
+    # 2.16x / 1.93x on bf16 in the twentieth session); at 2048 tokens even (2.96 / 2.99, 1.41 / 1.39).
+    # In kernel time the augmented K was 1.6% ahead (1324 against 1345 us per step on bf16,
+    # `kernel_ab --switch augmented --block qkv --base bf16`): the host decides.
     augment = with_lora_term and allow_augmented and LoraAddmmSettings.mode != "always"
     augment = augment and not lora_addmm_auto_takes(grads_2d[0], plan.compute_dtype, x_dtype)
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None

@@ -3,10 +3,10 @@
 ``lora_addmm(a, b, left, right, scale)`` replaces ``torch.mm`` (or ``F.linear``) followed by
 ``lora_expand_add_`` in a fused Function's forward and dX, which saves the expand-add's launch and
 its extra read and write of the `[M, N]` output. On by default where the TMA kernel below runs (a
-Hopper GPU, 16-bit operands, at least 2048 rows: `LoraAddmmSettings.mode = "auto"`), since the
-twentieth session. The pointer kernel came first (eighth session); timed alone (`python -m
-benchmarks.gemm_lora_probe`, rank 16, bf16, do_bench medians in us,
-`docs/benchmarks/session8/gemm_lora_probe_prologue.log` and `_2048.log`):
+Hopper GPU, 16-bit operands, at least `min_tokens` rows, 512 since the twenty-first session:
+`LoraAddmmSettings.mode = "auto"`), since the twentieth session. The pointer kernel came first
+(eighth session); timed alone (`python -m benchmarks.gemm_lora_probe`, rank 16, bf16, do_bench
+medians in us, `docs/benchmarks/session8/gemm_lora_probe_prologue.log` and `_2048.log`):
 
 | shape (8192 tokens; 2048 in brackets) | cuBLAS | cuBLAS + expand-add | this kernel |
 |---|---|---|---|
@@ -55,7 +55,18 @@ tokens, 4.62 / 5.56 and 1.78 / 1.93 at 2048; q/k/v 1.75 / 1.91 and 1.40 / 1.37 a
 and 1.34 / 1.31 at 2048; the MLP 1.10 / 1.09 and 1.05 / 1.08 at 8192, 1.16 / 1.17 and 1.11 / 1.03
 at 2048 (spreads 4-79%). The training step, separate processes: 1.023-1.041x the floor with "auto"
 against 1.029-1.053x with "never" (`session20/blocks_e2e_sweep.md`, `e2e_never.json`). So "auto"
-became the default.
+became the default, from 2048 rows (the fewest measured then).
+
+Twenty-first session: `min_tokens` 2048 -> 512. "auto" / "never" in one process (`plans_ab --switch
+addmm --tokens N --addmm-min-tokens N/2`, fp32 adapters, x the floor, `session21/plans_ab_addmm_*.log`):
+at 1024 tokens o_proj 3.88 / 4.28 (bf16) and 1.77 / 1.92 (NF4), q/k/v 3.76 / 4.06 and 1.40 / 1.43,
+the MLP 1.77 / 1.78 and 1.31 / 1.30; at 512 o_proj 4.83 / 4.86 and 1.51 / 1.67, q/k/v 2.98 / 3.15
+and 1.46 / 1.48, the MLP 2.69 / 2.86 and 1.39 / 1.39; at 256 (bf16 only) o_proj 4.28 / 4.63, q/k/v
+3.03 / 3.18, the MLP 3.24 / 3.23. Spreads 3-105%: each row alone is within the noise, but 14 of 15
+read "auto" ahead or even. These steps are host-bound and the planned launch is one launch fewer.
+Below 512 rows the kernel's 128-row tiles leave most SMs idle (an o_proj GEMM of 256 rows has 32
+tiles for 132 SMs), which a GPU-bound step (the host ahead, or CUDA graphs) would pay; the rule
+stops at the fewest rows measured on both bases.
 
 A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
 outside the Triton interpreter, as for every op here.
@@ -93,7 +104,7 @@ class LoraAddmmSettings:
     """
 
     mode = "auto"
-    min_tokens = 2048
+    min_tokens = 512
 
 
 def lora_addmm_auto_takes(grad: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
