@@ -212,6 +212,6 @@ def test_ab_tools_put_the_library_defaults_back():
     finally:
         restore()
     assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
-    assert LoraAddmmSettings.min_tokens == 512
+    assert LoraAddmmSettings.min_tokens == 1024
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes

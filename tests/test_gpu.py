@@ -67,11 +67,12 @@ def test_projection_at_8b_sizes(layout: Layout, projection: str):
 LORA_ADDMM_LAYOUTS = [layout for layout in GPU_LAYOUTS if layout.x_dtype != torch.float32]
 
 
-@pytest.mark.parametrize("projection", ["o", "down"])
+@pytest.mark.parametrize("projection", ["o", "k", "down"])
 @pytest.mark.parametrize("layout", LORA_ADDMM_LAYOUTS, ids=[layout.id for layout in LORA_ADDMM_LAYOUTS])
 def test_projection_dx_through_lora_addmm_at_8b_sizes(layout: Layout, projection: str, monkeypatch):
     """The same float64 bound with the forward's GEMM and dX made by `lora_addmm` (forced with
-    "always", so every layout below takes it whatever "auto" decides; at these sizes its TMA kernel)."""
+    "always", so every layout below takes it whatever "auto" decides; at these sizes its TMA kernel,
+    with k's forward on the few-tiles config)."""
     from fastlora_peft.functions import shared_input
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm
 

@@ -143,6 +143,17 @@ def test_tma_kernel_matches_float64(
     assert rel_err(out, _truth(a, b, left, right, scale=1.0)) > 10 * TOLERANCE[dtype]
 
 
+def test_tma_tiles_narrow_where_wide_ones_would_idle_half_the_sms(monkeypatch):
+    """H200 (132 SMs): k/v's forward (1024 columns) at up to 2048 rows gets 128 x 128 tiles; 8192
+    rows, or 4096 columns from 1024 rows (128 wide tiles), keep the wide ones."""
+    monkeypatch.setattr(addmm_module, "_num_sms", lambda device: 132)
+    few, wide = addmm_module.TMA_FEW_TILES_CONFIG, addmm_module.TMA_GPU_CONFIG
+    assert few[:2] == (128, 128) and wide[:2] == (128, 256)
+    config = addmm_module.tma_gpu_config
+    assert config(2048, 1024, "cuda") == config(1024, 1024, "cuda") == config(512, 4096, "cuda") == few
+    assert config(8192, 1024, "cuda") == config(1024, 4096, "cuda") == config(2048, 4096, "cuda") == wide
+
+
 def test_tma_takes_16_byte_rows_only():
     a, b, _, _ = _operands(37, 72, 40, 5, BF16, BF16, "dense", "row", "dense")
     assert tma_fits(a, b) and tma_fits(a, b.t().contiguous().t())  # row-major or K-major b
