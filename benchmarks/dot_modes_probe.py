@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from fastlora_peft.kernels import dots, gated_act_lora, gated_act_lora_forward, lora_terms
+from fastlora_peft.kernels import dots, gated_act_lora, gated_act_lora_forward, lora_expand_add, lora_terms
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -44,10 +44,10 @@ def forced_fp32_dots() -> Iterator[None]:
 
     modules = (lora_terms, gated_act_lora)
     saved = [module.dot_mode for module in modules]
-    saved_expand = (lora_terms.expand_dot_precision, gated_act_lora_forward.expand_dot_precision)
+    saved_expand = (lora_expand_add.expand_dot_precision, gated_act_lora_forward.expand_dot_precision)
     for module in modules:
         module.dot_mode = old_mode
-    lora_terms.expand_dot_precision = gated_act_lora_forward.expand_dot_precision = lambda out_dtype: (
+    lora_expand_add.expand_dot_precision = gated_act_lora_forward.expand_dot_precision = lambda out_dtype: (
         dots.FP32_DOT_PRECISION
     )
     try:
@@ -55,7 +55,7 @@ def forced_fp32_dots() -> Iterator[None]:
     finally:
         for module, mode in zip(modules, saved):
             module.dot_mode = mode
-        lora_terms.expand_dot_precision, gated_act_lora_forward.expand_dot_precision = saved_expand
+        lora_expand_add.expand_dot_precision, gated_act_lora_forward.expand_dot_precision = saved_expand
 
 
 def _compare(name: str, run: Callable[[], torch.Tensor], truth: torch.Tensor) -> None:
@@ -85,7 +85,12 @@ def _projection_kernels(tokens: int, k: int, rank: int) -> None:
     _compare(
         f"expand_add into bf16 [{tokens},{k}], B fp32",
         partial(
-            lora_terms._lora_expand_add_triton, base=base, left=left, right=right, scale=0.5, out_dtype=BF16
+            lora_expand_add._lora_expand_add_triton,
+            base=base,
+            left=left,
+            right=right,
+            scale=0.5,
+            out_dtype=BF16,
         ),
         base.double() + 0.5 * left.double() @ right.double().T,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
-from fastlora_peft.kernels import lora_terms as lt
+from fastlora_peft.kernels import lora_expand_add as expand_add_module
 
 
 def _us(fn) -> float:
@@ -30,14 +30,20 @@ def probe(tokens: int, k: int, n: int, rank: int, adapter_dtype: torch.dtype) ->
 
     def after():
         torch.mm(x, weight.t(), out=out)
-        lt._lora_expand_add_triton(base=out, left=left, right=right, scale=0.5, out_dtype=out.dtype, out=out)
+        expand_add_module._lora_expand_add_triton(
+            base=out, left=left, right=right, scale=0.5, out_dtype=out.dtype, out=out
+        )
 
     def as_c():
-        lt._lora_expand_add_triton(base=zero, left=left, right=right, scale=0.5, out_dtype=out.dtype, out=out)
+        expand_add_module._lora_expand_add_triton(
+            base=zero, left=left, right=right, scale=0.5, out_dtype=out.dtype, out=out
+        )
         out.addmm_(x, weight.t())
 
     def expand_only():
-        lt._lora_expand_add_triton(base=zero, left=left, right=right, scale=0.5, out_dtype=out.dtype, out=out)
+        expand_add_module._lora_expand_add_triton(
+            base=zero, left=left, right=right, scale=0.5, out_dtype=out.dtype, out=out
+        )
 
     def mm_only():
         torch.mm(x, weight.t(), out=out)

@@ -5,7 +5,8 @@ python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-gr
 
 Per shape: the default, then the fastest configs.
 
-The launchers' defaults in `fastlora_peft/kernels/lora_terms.py` cite what this printed on the H200.
+The launchers' defaults in `fastlora_peft/kernels/lora_terms.py`, `lora_expand_add.py` and
+`lora_weight_grad.py` cite what this printed on the H200.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from fastlora_peft.kernels import lora_expand_add as expand_add_module
 from fastlora_peft.kernels import lora_terms as lt
+from fastlora_peft.kernels import lora_weight_grad as weight_grad_module
 
 from .kernel_ab import _trace_events
 
@@ -155,7 +158,7 @@ def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
     left = torch.randn(TOKENS, rank, device="cuda", dtype=torch.float32)
     right = torch.randn(n, rank, device="cuda", dtype=right_dtype)
     default = _bench(
-        lambda: lt._lora_expand_add_triton(
+        lambda: expand_add_module._lora_expand_add_triton(
             base=base, left=left, right=right, scale=0.5, out_dtype=base.dtype, out=base
         )
     )
@@ -174,7 +177,7 @@ def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
     for (block_m, block_n), warps, stages in itertools.product(tiles, (4, 8), (1, 2, 3)):
 
         def launch(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
-            lt._lora_expand_add_triton(
+            expand_add_module._lora_expand_add_triton(
                 base=base, left=left, right=right, scale=0.5, out_dtype=base.dtype, out=base,
                 block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
             )  # fmt: skip
@@ -199,14 +202,14 @@ def tune_weight_grad(k: int, rank: int, tokens: int = TOKENS, split: int | None 
     split=1: one program per column tile walking every token row, no split at all."""
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     left = torch.randn(rank, tokens, device="cuda", dtype=torch.float32).T  # token-major, as the shrink gives
-    default = _bench(lambda: lt._lora_weight_grad_triton(left=left, x=x, scale=0.5))
+    default = _bench(lambda: weight_grad_module._lora_weight_grad_triton(left=left, x=x, scale=0.5))
     results = []
     for block_m, block_k, warps, stages in (
         _WEIGHT_GRAD_CONFIGS if split is None else _UNSPLIT_WEIGHT_GRAD_CONFIGS
     ):
 
         def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
-            lt._lora_weight_grad_triton(
+            weight_grad_module._lora_weight_grad_triton(
                 left=left, x=x, scale=0.5, split=split,
                 block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages,
             )  # fmt: skip
@@ -231,7 +234,7 @@ def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> 
 
     def unfused():
         hidden = gated_act._gated_act_forward_triton(gate, up, "silu")
-        lt._lora_weight_grad_triton(left=left, x=hidden, scale=0.5)
+        weight_grad_module._lora_weight_grad_triton(left=left, x=hidden, scale=0.5)
         gated_act._gated_act_backward_triton(grad_h, gate, up, "silu", in_place=True)
 
     moved = gate.numel() * 2 * 5
@@ -276,10 +279,10 @@ def tune_gated_lora_forward(
     up_right = 0.01 * torch.randn(n, rank, device="cuda", dtype=right_dtype)
 
     def unfused():
-        lt._lora_expand_add_triton(
+        expand_add_module._lora_expand_add_triton(
             base=gate, left=gate_left, right=gate_right, scale=0.5, out_dtype=gate.dtype, out=gate
         )
-        lt._lora_expand_add_triton(
+        expand_add_module._lora_expand_add_triton(
             base=up, left=up_left, right=up_right, scale=0.5, out_dtype=up.dtype, out=up
         )
         gated_act._gated_act_forward_triton(gate, up, "silu")

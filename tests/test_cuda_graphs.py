@@ -19,7 +19,7 @@ from peft import get_peft_model
 from torch import nn
 
 from fastlora_peft import FastLoraConfig
-from fastlora_peft.kernels import gated_act_lora, lora_terms, split_sum
+from fastlora_peft.kernels import gated_act_lora, lora_terms, lora_weight_grad, split_sum
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def split_launches(monkeypatch):
         calls.append(torch.cuda.is_current_stream_capturing())
         return original(device, partial_elements, tiles)
 
-    for module in (lora_terms, gated_act_lora):
+    for module in (lora_terms, lora_weight_grad, gated_act_lora):  # every launcher that splits
         monkeypatch.setattr(module, "split_scratch", recording)
     return calls
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from fastlora_peft.kernels import dots, lora_terms, split_sum
+from fastlora_peft.kernels import lora_expand_add as expand_add_module
 from fastlora_peft.kernels import lora_terms_reference as reference
+from fastlora_peft.kernels import lora_weight_grad as weight_grad_module
 from fastlora_peft.kernels._backend import runs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -276,14 +278,14 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
         )
         assert_rel_close(got, SCALE * (x.double() @ lora_a.double().T), split_tol)
 
-    got = lora_terms._lora_expand_add_triton(
+    got = expand_add_module._lora_expand_add_triton(
         base=base, left=left, right=lora_b, scale=SCALE, out_dtype=FP32, block_m=16, block_n=16, block_r=16
     )
     assert_rel_close(got, base.double() + SCALE * (left.double() @ lora_b.double().T), tol)
     # In place (out is base itself), a rank inside one rank tile, several row and column tiles.
     in_place, narrow_left, narrow_b = base.contiguous(), left[:, :11], lora_b[:, :11]
     truth = in_place.double() + SCALE * (narrow_left.double() @ narrow_b.double().T)
-    lora_terms._lora_expand_add_triton(
+    expand_add_module._lora_expand_add_triton(
         base=in_place, left=narrow_left, right=narrow_b, scale=SCALE, out_dtype=x_dtype, out=in_place,
         block_m=16, block_n=16,
     )  # fmt: skip
@@ -293,7 +295,7 @@ def test_multi_tile_launchers(x_dtype, w_dtype):
     for split, k_major in itertools.product(
         (1, 2, 3), (False, True)
     ):  # 3 splits of 16 rows: the last one is partial
-        got = lora_terms._lora_weight_grad_triton(
+        got = weight_grad_module._lora_weight_grad_triton(
             left=left, x=x, scale=SCALE, k_major=k_major, split=split, block_m=16, block_k=16, block_r=16
         )
         assert (got.T if k_major else got).is_contiguous(), (k_major, got.stride())
@@ -365,7 +367,7 @@ def test_split_sums_leave_their_counters_at_zero():
         blocks = dict(block_m=16, block_k=16, block_r=16)
         got = lora_terms._lora_shrink_triton(x=x, weight=weight, split=split, **blocks)
         assert_rel_close(got, x.double() @ weight.double().T, SPLIT_TOLERANCE)
-        got = lora_terms._lora_weight_grad_triton(
+        got = weight_grad_module._lora_weight_grad_triton(
             left=left, x=x, scale=SCALE, split=split, out_dtype=BF16, **blocks
         )
         assert got.dtype == BF16
@@ -432,7 +434,9 @@ def test_lora_weight_grad_is_deterministic():
     left = _make(37, 5, FP32, "contig")
     x = _make(37, 19, BF16, "contig")
     runs = [
-        lora_terms._lora_weight_grad_triton(left=left, x=x, scale=SCALE, split=3, block_m=16, block_k=16)
+        weight_grad_module._lora_weight_grad_triton(
+            left=left, x=x, scale=SCALE, split=3, block_m=16, block_k=16
+        )
         for _ in range(2)
     ]
     assert torch.equal(runs[0], runs[1])
@@ -472,8 +476,9 @@ def _op_inputs(op: str) -> tuple:
 
 @pytest.mark.parametrize("op", ["lora_shrink", "lora_expand_add", "lora_weight_grad"])
 def test_dispatch_runs_triton_iff_expected(op, monkeypatch):
-    kernel = _LaunchCounter(getattr(lora_terms, f"_{op}_kernel"))
-    monkeypatch.setattr(lora_terms, f"_{op}_kernel", kernel)
+    module = {"lora_shrink": lora_terms, "lora_expand_add": expand_add_module}.get(op, weight_grad_module)
+    kernel = _LaunchCounter(getattr(module, f"_{op}_kernel"))
+    monkeypatch.setattr(module, f"_{op}_kernel", kernel)
     reference_calls = []
     original = getattr(reference, op)
     monkeypatch.setattr(reference, op, lambda *args: reference_calls.append(op) or original(*args))

@@ -26,7 +26,9 @@ from fastlora_peft.kernels import (
     lora_terms,
 )
 from fastlora_peft.kernels import gated_act_lora_forward as gated_forward
+from fastlora_peft.kernels import lora_expand_add as expand_add_module
 from fastlora_peft.kernels import lora_terms_reference as reference
+from fastlora_peft.kernels import lora_weight_grad as weight_grad_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -72,7 +74,11 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         return cached_launch(self, grid, args, meta)
 
     monkeypatch.setattr(_launch.CachedKernel, "launch", counting_launch)
-    all_plans = (lora_terms._SHRINK_PLANS, lora_terms._EXPAND_ADD_PLANS, lora_terms._WEIGHT_GRAD_PLANS)
+    all_plans = (
+        lora_terms._SHRINK_PLANS,
+        expand_add_module._EXPAND_ADD_PLANS,
+        weight_grad_module._WEIGHT_GRAD_PLANS,
+    )
     gated_plans = (gated_forward._FORWARD_PLANS, gated_act_lora._WEIGHT_GRAD_PLANS)
     other_plans = (dequant4bit._DEQUANTIZE_PLANS, lora_augment._AUGMENTED_LEFT_PLANS, lora_addmm._TMA_PLANS)
     for plans in (*all_plans, *gated_plans, *other_plans):
@@ -213,7 +219,7 @@ def test_expand_add_plan_launches_what_the_launcher_would(recorded_launches, cas
         inputs = dict(base=base, left=_randn(generator, M, R, dtype=torch.float32), right=right)
         return dict(inputs, scale=2.0 + seed, out_dtype=torch.bfloat16, out=base if in_place else None)
 
-    launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_expand_add_triton, make_inputs)
+    launch = _planned_and_unplanned(recorded_launches, expand_add_module._lora_expand_add_triton, make_inputs)
     assert 3.0 in _floats(launch)
 
 
@@ -236,7 +242,9 @@ def test_weight_grad_plan_launches_what_the_launcher_would(recorded_launches, ca
             left=left, x=_randn(generator, M, K), scale=0.25 + seed, k_major=k_major, out_dtype=out_dtype
         )
 
-    launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_weight_grad_triton, make_inputs)
+    launch = _planned_and_unplanned(
+        recorded_launches, weight_grad_module._lora_weight_grad_triton, make_inputs
+    )
     assert 1.25 in _floats(launch)
 
 
@@ -377,11 +385,13 @@ OP_CASES = {
     "lora_shrink": (lora_terms.lora_shrink, lora_terms, "_check_shrink", _shrink_op_inputs),
     "lora_expand_add": (
         lambda **inputs: lora_terms.lora_expand_add(**inputs, out_dtype=torch.float16),
-        lora_terms, "_check_expand_add", _expand_op_inputs,
+        expand_add_module, "_check_expand_add", _expand_op_inputs,
     ),
-    "lora_expand_add_": (lora_terms.lora_expand_add_, lora_terms, "_check_expand_add", _expand_op_inputs),
+    "lora_expand_add_": (
+        lora_terms.lora_expand_add_, expand_add_module, "_check_expand_add", _expand_op_inputs,
+    ),
     "lora_weight_grad": (
-        lora_terms.lora_weight_grad, lora_terms, "_check_weight_grad", _weight_grad_op_inputs,
+        lora_terms.lora_weight_grad, weight_grad_module, "_check_weight_grad", _weight_grad_op_inputs,
     ),
     "gated_act_lora_forward_": (
         gated_forward.gated_act_lora_forward_, gated_forward, "_check_lora_forward_inputs",

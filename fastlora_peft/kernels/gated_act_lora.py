@@ -35,6 +35,7 @@ import triton.language as tl
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from ._lora_common import _num_sms, _rank_block
 from .dots import activation_dot, dot_mode, dot_precision
 from .gated_act import (
     _activation_and_derivative,
@@ -42,7 +43,6 @@ from .gated_act import (
     _gated_act_backward_triton,
     _unit_column_stride,
 )
-from .lora_terms import _num_sms, _rank_block
 from .split_sum import split_scratch, split_total
 
 _OP = "gated_act_backward_weight_grad_"
@@ -73,7 +73,7 @@ def _rank_block_pass(
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_m = tl.arange(0, BLOCK_M)
-    # Computed as Out^T[I, R] = h^T @ Left, as lora_terms' weight-grad kernel does (91 against 189us
+    # Computed as Out^T[I, R] = h^T @ Left, as lora_weight_grad's kernel does (91 against 189us
     # there on an H200): h^T, made in registers, is tl.dot's first operand in any layout, and the fp32
     # second operand wants its token dim contiguous, which the launcher arranges for Left.
     acc = tl.zeros((BLOCK_I, BLOCK_R), dtype=tl.float32)
@@ -190,7 +190,7 @@ def _gated_act_backward_weight_grad_triton(
             _gated_act_backward_triton(grad_h, gate, up, activation, in_place=True)
         return torch.zeros((R, n_cols), dtype=torch.float32, device=gate.device)
     grad_h = _unit_column_stride(grad_h)
-    # Left's token dim contiguous, as lora_terms' weight grad wants it: M * R * 4 bytes, 0.5 MB for
+    # Left's token dim contiguous, as lora_weight_grad's kernel wants it: M * R * 4 bytes, 0.5 MB for
     # a 2048-row chunk at rank 64.
     copy_left = left.stride(0) != 1
     left = left.T.contiguous().T if copy_left else left

@@ -33,9 +33,10 @@ import triton.language as tl
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from ._lora_common import _rank_block
 from .dots import expand_dot_precision
 from .gated_act import _activation_and_derivative, _check_inputs
-from .lora_terms import _rank_block, expand_term
+from .lora_expand_add import expand_term
 
 _OP = "gated_act_lora_forward_"
 

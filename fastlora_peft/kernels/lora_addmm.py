@@ -87,8 +87,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._lora_common import _num_sms
 from fastlora_peft.kernels.dots import expand_dot_precision
-from fastlora_peft.kernels.lora_terms import _num_sms, expand_term
+from fastlora_peft.kernels.lora_expand_add import expand_term
 
 # Where the kernel adds the LoRA term (a constexpr; a jit function reads only tl.constexpr globals).
 NO_TERM, EPILOGUE, PROLOGUE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)

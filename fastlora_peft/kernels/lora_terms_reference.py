@@ -1,4 +1,5 @@
-"""Pure-torch reference for the LoRA term kernels in ``lora_terms.py``.
+"""Pure-torch reference for the LoRA term kernels in ``lora_terms.py``, ``lora_expand_add.py`` and
+``lora_weight_grad.py``.
 
 Same signatures and dtype contract as the public ops; every product and sum is done in fp32 and each
 result is rounded once. The ops in ``lora_terms`` check their inputs and then run these on any CPU

@@ -1,0 +1,269 @@
+"""``lora_weight_grad(left, x, scale)``: ``scale * left.T @ x`` summed over the tokens, the gradient
+of A or (transposed) B, accumulated in fp32 and rounded once. One of the three LoRA terms (see
+`lora_terms`, which hands out all three ops).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlora_peft.kernels import lora_terms_reference as reference
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._lora_common import (
+    _check_2d,
+    _check_devices,
+    _check_dim,
+    _check_fp32,
+    _num_sms,
+    _rank_block,
+)
+from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
+from fastlora_peft.kernels.split_sum import split_scratch, split_total
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels. Row offsets are widened to int64 before they meet a stride: M * stride passes 2**31 at,
+# e.g., 16k tokens of a 128k-wide tensor. Tile offsets stay int32 and move the (64-bit) pointers.
+# ---------------------------------------------------------------------------------------------------
+
+
+@CachedKernel
+@triton.jit
+def _lora_weight_grad_kernel(
+    Left_ptr, X_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    M, R, K, scale, rows_per_split, n_splits,
+    stride_lm, stride_lr, stride_xm, stride_xk, stride_or, stride_ok,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Out[R, K] = scale * Left[M, R]^T @ X[M, K], in Out's dtype and strides.
+
+    One program per (BLOCK_K columns, split, BLOCK_R ranks); split s sums rows [s * rows_per_split,
+    ...). With SPLIT (n_splits > 1), the splits meet in `split_total` through fp32 partials laid out
+    like Out ([n_splits, ...], split stride R * K) and one counter per tile.
+    """
+    # Computed as its transpose, Out^T[K, R] = X^T @ Left, so the activation is tl.dot's first operand,
+    # which may come from registers in any layout; a 32-bit second operand wants its reduction (token)
+    # dim contiguous, which the launcher arranges for Left. On an H200 (M=8192, K=4096, rank 64) this
+    # takes 91us against 189us for Left^T @ X with X, token-strided, as the second operand.
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_r = offs_r < R
+    mask_k = offs_k < K
+    m_start = pid_s * rows_per_split
+    m_end = tl.minimum(m_start + rows_per_split, M)
+    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + offs_m
+        mask_m = rows < m_end
+        rows = rows.to(tl.int64)
+        # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
+        x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
+        # Left is always fp32 (a shrink's output): the split dot for a bf16 X, else the fp32 one.
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        acc = activation_dot(x_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
+    offsets = offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
+    mask = mask_k[:, None] & mask_r[None, :]
+    if SPLIT:
+        counter_ptr = Counter_ptr + pid_k * tl.num_programs(2) + pid_r
+        is_last, total = split_total(acc, Partial_ptr, offsets, mask, pid_s, n_splits, R * K, counter_ptr)
+        if is_last:
+            tl.store(Out_ptr + offsets, (scale * total).to(Out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, (scale * acc).to(Out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers. Keyword-only block sizes default to the GPU choice; tests pass small ones to cover
+# several tiles and loop trips on tiny shapes. Callers have checked shapes, dtypes and devices.
+# ---------------------------------------------------------------------------------------------------
+
+
+# Fewest token rows one split of lora_weight_grad covers. Each split writes and the sum re-reads an
+# [R, K] fp32 partial (8 * R * K bytes) against 2 * rows * K bytes of 16-bit x it streams; at rank 64
+# and 512 rows the partials cost half the x traffic, so splits stop there.
+_MIN_ROWS_PER_SPLIT = 512
+
+
+def _lora_weight_grad_triton(
+    *,
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+    split: int | None = None,
+    block_m: int | None = None,
+    block_k: int = 128,
+    block_r: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    plan_key = None
+    defaults = split is None and block_m is None and block_k == 128 and block_r is None
+    if defaults and num_warps == 8 and num_stages == 3 and _WEIGHT_GRAD_PLANS.enabled:
+        plan_key = _weight_grad_plan_key(left, x, k_major, out_dtype)
+        plan = _WEIGHT_GRAD_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_weight_grad_plan(plan, left, x, scale)
+    M, R = left.shape
+    K = x.shape[1]
+    # K-major ([K, R] in memory) when the caller wants the transpose contiguous (dB = result.T).
+    out = torch.empty((K, R) if k_major else (R, K), dtype=out_dtype, device=x.device)
+    out = out.T if k_major else out
+    if M == 0 or R == 0 or K == 0:
+        return out.zero_()
+    # The kernel wants left's token dim contiguous (see there): 91 vs 116us at rank 64, 157 vs 227us at
+    # rank 128 on an H200 (M=8192, K=4096), for a transposed copy of left (M * R * 4 bytes, 2 MB).
+    left_copied = left.stride(0) != 1
+    left = left.T.contiguous().T if left_copied else left
+    block_r = block_r or _rank_block(R, cap=64)
+    # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
+    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. Not retuned for the
+    # split dot bf16 x now takes (one run at rank 16: 64 rows 56us, 128 rows 40us at K=4096; 83 and
+    # 97us at K=14336, `dot_modes_probe_1_with_tiles.log`, where the default launch read 36us).
+    block_m = block_m or (128 if block_r >= 32 and K <= 8192 else 64)
+    k_tiles, r_tiles = cdiv(K, block_k), cdiv(R, block_r)
+    if split is None:
+        # Split the token dimension only as far as needed to give every SM two programs. One program
+        # per column tile walking all rows instead was 1.1-1.6x slower at 8192 and 2048 tokens, except
+        # at K=14336, rank 16, 2048 tokens (29 against 30us; `tune_lora_terms --weight-grad-unsplit`).
+        split = min(cdiv(2 * _num_sms(x.device), k_tiles * r_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+    rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
+    split = cdiv(M, rows_per_split)  # no empty splits
+    # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
+    partial, counters = split_scratch(x.device, split * R * K, k_tiles * r_tiles) if split > 1 else (out, out)
+    grid = (k_tiles, split, r_tiles)
+    bound = _lora_weight_grad_kernel[grid](
+        left, x, out, partial, counters,
+        M, R, K, float(scale), rows_per_split, split,
+        left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(left.dtype, x.dtype), DOT_MODE=dot_mode(x, left), SPLIT=split > 1,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        _WEIGHT_GRAD_PLANS.add(plan_key, _WeightGradPlan(
+            bound, left_copied, out_dtype, x.device, k_major, (K, R) if k_major else (R, K),
+            (split * R * K, k_tiles * r_tiles) if split > 1 else None,
+            (M, R, K), (rows_per_split, split),
+            (left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1)),
+        ))  # fmt: skip
+    return out
+
+
+class _WeightGradPlan(NamedTuple):
+    """What `_lora_weight_grad_triton` derived from its inputs' metadata, to launch the same again."""
+
+    launch: BoundLaunch
+    copy_left: bool  # left was copied token-major first (its strides below are the copy's)
+    out_dtype: torch.dtype
+    device: torch.device
+    k_major: bool
+    out_shape: tuple[int, int]  # of the buffer; the result is its transpose when k_major
+    scratch: Optional[tuple[int, int]]
+    sizes: tuple[int, ...]  # M, R, K
+    splits: tuple[int, int]  # rows_per_split, n_splits
+    strides: tuple[int, ...]
+
+
+_WEIGHT_GRAD_PLANS = LaunchPlans("lora_weight_grad")
+
+
+def _weight_grad_plan_key(left, x, k_major: bool, out_dtype: torch.dtype) -> tuple:
+    """The one key of a weight-grad plan (out_dtype resolved: None is float32)."""
+    return _WEIGHT_GRAD_PLANS.key(left, x, k_major, out_dtype)
+
+
+def _run_weight_grad_plan(plan: _WeightGradPlan, left, x, scale) -> torch.Tensor:
+    left = left.T.contiguous().T if plan.copy_left else left
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+    out = out.T if plan.k_major else out
+    partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
+    plan.launch(left, x, out, partial, counters, *plan.sizes, float(scale), *plan.splits, *plan.strides)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public ops: checks, dispatch, fake implementations. The op bodies look their launch plan up before
+# their checks (lora_terms' `_PLANS_SKIP_CHECKS`).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_weight_grad(left: torch.Tensor, x: torch.Tensor) -> None:
+    op = "lora_weight_grad"
+    _check_2d(op, "left", left, "[M, R]")
+    _check_2d(op, "x", x, "[M, K]")
+    _check_fp32(op, "left", left)
+    _check_dim(op, "x", x, "[M, K]", 0, left.shape[0], "M (left.shape[0])")
+    _check_devices(op, left=left, x=x)
+
+
+def lora_weight_grad(
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """``scale * left.T @ x``: `fastlora::lora_weight_grad` (see `_lora_weight_grad_body`)."""
+    if skips_op_dispatch(left, x):
+        return _lora_weight_grad_body(left, x, scale, k_major, out_dtype)
+    return lora_weight_grad_op(left, x, scale, k_major, out_dtype)
+
+
+def _lora_weight_grad_body(
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically), rounded once to
+    `out_dtype` (None: left's dtype, float32; an adapter's dtype saves the caller a cast).
+
+    left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K], contiguous, or with
+    k_major its transpose contiguous (strides (1, R)): dB = result.T then is a dense [K, R] tensor that
+    autograd takes over as lora_B's gradient instead of copying it. Zeros when M == 0.
+    """
+    if _WEIGHT_GRAD_PLANS.serve(x):  # see lora_terms' `_PLANS_SKIP_CHECKS`
+        plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(left, x, k_major, out_dtype or torch.float32))
+        if plan is not None:
+            return _run_weight_grad_plan(plan, left, x, scale)
+    _check_weight_grad(left, x)
+    if runs_triton(x):
+        out_dtype = out_dtype or torch.float32
+        return _lora_weight_grad_triton(left=left, x=x, scale=scale, k_major=k_major, out_dtype=out_dtype)
+    result = reference.lora_weight_grad(left, x, scale)
+    result = result if out_dtype is None else result.to(out_dtype)
+    return result.T.contiguous().T if k_major else result.contiguous()
+
+
+lora_weight_grad_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_weight_grad", _lora_weight_grad_body, mutates_args=()
+)
+
+
+@lora_weight_grad_op.register_fake
+def _(
+    left: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    k_major: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    _check_weight_grad(left, x)
+    rank, features, dtype = left.shape[1], x.shape[1], out_dtype or left.dtype
+    if k_major:
+        return x.new_empty((features, rank), dtype=dtype).T
+    return x.new_empty((rank, features), dtype=dtype)
