@@ -62,7 +62,7 @@ class Geometry:
 LLAMA_8B = Geometry(
     hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=32000, layers=4,
     batch=4, seq=2048, rank=16, alpha=32,
-    sweep_tokens=(512, 2048, 8192, 32768), sweep_ranks=(8, 16, 64, 128), sweep_rank_tokens=8192,
+    sweep_tokens=(512, 1024, 2048, 8192, 32768), sweep_ranks=(8, 16, 64, 128), sweep_rank_tokens=8192,
 )  # fmt: skip
 # CPU smoke test: bitsandbytes' CPU quantizer wants feature sizes that are multiples of 64.
 SMOKE = Geometry(
