@@ -2,7 +2,8 @@
 
 python -m benchmarks.host_breakdown [--adapters bf16|fp32] [--base bf16|nf4] [--tokens 256]
 
-(`LoraAddmmSettings.mode` "auto" takes the TMA GEMM from 2048 tokens on: `--tokens 2048` for its lines.)
+(`LoraAddmmSettings.mode` "auto" takes the TMA GEMM from `min_tokens` rows on, 1024: `--tokens 2048`
+for its lines.)
 
 `profile_block` showed the o_proj and QKV blocks host-bound: host time per step about equal to wall
 time and well above the GPU's kernel time. This splits that host time into the module's own Python,
@@ -75,11 +76,11 @@ def _with_plans_off(call: Callable[[], object]) -> Callable[[], object]:
     """`call` with `LaunchPlans.enabled` False for its duration."""
 
     def wrapped():
-        LaunchPlans.enabled = False
+        previous, LaunchPlans.enabled = LaunchPlans.enabled, False
         try:
             return call()
         finally:
-            LaunchPlans.enabled = True
+            LaunchPlans.enabled = previous
 
     return wrapped
 

@@ -57,19 +57,19 @@ at 2048 (spreads 4-79%). The training step, separate processes: 1.023-1.041x the
 against 1.029-1.053x with "never" (`session20/blocks_e2e_sweep.md`, `e2e_never.json`). So "auto"
 became the default, from 2048 rows (the fewest measured then).
 
-Twenty-first session: `min_tokens` 2048 -> 1024. "auto" / "never" in one process (`plans_ab
---switch addmm --tokens N`, `--addmm-min-tokens` at or below N, fp32 adapters, x the floor,
+Twenty-first session: `min_tokens` 2048 -> 1024. "auto" / "never" in one process (`plans_ab --switch
+addmm --tokens N`, `--addmm-min-tokens` at or below N, fp32 adapters, x the floor,
 `session21/plans_ab_addmm_*.log`): at 1024 tokens o_proj 3.88 / 4.28 (bf16) and 1.77 / 1.92 (NF4),
 q/k/v 3.76 / 4.06 and 1.40 / 1.43, the MLP 1.77 / 1.78 and 1.31 / 1.30; at 512 o_proj 4.83 / 4.86
 and 1.51 / 1.67, q/k/v 2.98 / 3.15 and 1.46 / 1.48, the MLP 2.69 / 2.86 and 1.39 / 1.39; at 256
 (bf16 only) o_proj 4.28 / 4.63, q/k/v 3.03 / 3.18, the MLP 3.24 / 3.23. Spreads 3-105%: each row
-alone is within the noise, but 14 of 15 read "auto" ahead or even. These steps are host-bound, and
-the planned launch is one launch fewer. In kernel time (`kernel_ab --switch addmm --base bf16`,
-auto / never, us per step) the GPU pays for it at 512 rows: o_proj 124 / 90 (the TMA GEMM's 128 x
-256 tiles cover 64 of 132 SMs there); at 1024 o_proj 134 / 145, the MLP 1183 / 1201 and q/k/v 300
-/ 260, 263 / 258 once k/v's forward took the few-tiles config below (2048: 437 / 424, then 404 /
-423). A GPU-bound step (the host ahead, CUDA graphs) would pay the 512-row cost, so the rule starts
-at 1024 rows.
+alone is within the noise, but "auto" read ahead in 12 of 15, equal in 1, 0.01 behind in 2. These
+steps are host-bound, and the planned launch is one launch fewer. In kernel time (`kernel_ab
+--switch addmm --base bf16`, auto / never, us per step) the GPU pays for it at 512 rows: o_proj 124
+/ 90 (the TMA GEMM's 128 x 256 tiles cover 64 of 132 SMs there); at 1024 o_proj 134 / 145, the MLP
+1183 / 1201 and q/k/v 300 / 260, 263 / 258 once k/v's forward took the few-tiles config below (2048:
+437 / 424, then 404 / 423). A GPU-bound step (the host ahead, CUDA graphs) would pay the 512-row
+cost, so the rule starts at 1024 rows.
 
 A `torch.library` custom op with a fake; the reference (``lora_addmm_reference``) runs on the CPU
 outside the Triton interpreter, as for every op here.
@@ -272,8 +272,9 @@ TMA_GPU_CONFIG = (128, 256, 64, 8, 3)
 # Where those tiles would cover half the SMs or fewer (k/v's forward, 1024 columns, at up to 2048
 # rows): 128 x 128 x 64, 4 warps, 4 stages. H200, kernel time with L2 flushed, x @ W.T + the term at
 # N=1024, K=4096: 31.2 against 44.8 us at 2048 rows (cuBLAS's F.linear alone 24.3) and 27.8 against
-# 43.0 at 1024; at 64 or more wide tiles per half of the SMs the wide tiles stayed fastest (2048 x
-# 4096: 95.9 against 110.0; 1024 x 4096, 128 tiles: 49.1 against 57.6), `session21/addmm_narrow_probe.log`.
+# 43.0 at 1024 (64 and 32 wide tiles); with 128 or more wide tiles the wide ones stayed fastest
+# (1024 x 4096: 49.1 against 57.6; 2048 x 4096: 95.9 against 110.0), `session21/addmm_narrow_probe.log`.
+# Between 67 and 127 wide tiles nothing was timed: the wide tiles stay there.
 TMA_FEW_TILES_CONFIG = (128, 128, 64, 4, 4)
 TMA_INTERPRETER_CONFIG = (16, 32, 16, 4, 1)
 _TMA_INTERPRETER_PROGRAMS = 3
