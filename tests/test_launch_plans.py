@@ -22,6 +22,7 @@ from fastlora_peft.kernels import (
     gated_act_lora,
     gated_act_reference,
     lora_addmm,
+    lora_addmm_sum,
     lora_augment,
     lora_terms,
 )
@@ -64,6 +65,9 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     # The TMA kernel's three descriptors: encoders with a stand-in for Triton's fill_tma_descriptor.
     tma_direct = direct._replace(encoders=tuple(_fake_encoder() for _ in range(3)))
     monkeypatch.setattr(lora_addmm._lora_addmm_tma_kernel, "direct", _AlwaysCompiled(tma_direct))
+    # lora_addmm_sum's seven: three members' a and b, and the output.
+    sum_direct = direct._replace(encoders=tuple(_fake_encoder() for _ in range(7)))
+    monkeypatch.setattr(lora_addmm_sum._lora_addmm_sum_tma_kernel, "direct", _AlwaysCompiled(sum_direct))
     # Launches that went through `CachedKernel.launch` (the launcher's own path), not a plan.
     through_cache = _THROUGH_CACHE
     through_cache.clear()
@@ -80,7 +84,12 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         weight_grad_module._WEIGHT_GRAD_PLANS,
     )
     gated_plans = (gated_forward._FORWARD_PLANS, gated_act_lora._WEIGHT_GRAD_PLANS)
-    other_plans = (dequant4bit._DEQUANTIZE_PLANS, lora_augment._AUGMENTED_LEFT_PLANS, lora_addmm._TMA_PLANS)
+    other_plans = (
+        dequant4bit._DEQUANTIZE_PLANS,
+        lora_augment._AUGMENTED_LEFT_PLANS,
+        lora_addmm._TMA_PLANS,
+        lora_addmm_sum._SUM_PLANS,
+    )
     for plans in (*all_plans, *gated_plans, *other_plans):
         monkeypatch.setattr(plans, "plans", {})
     return calls

@@ -321,6 +321,8 @@ def test_tiny_llama_dx_through_lora_addmm(dtype_id, adapter_dtype, monkeypatch):
 
     calls = []
     monkeypatch.setattr(shared_input, "lora_addmm", lambda *args: calls.append(args) or lora_addmm(*args))
+    # The groups' dX through lora_addmm + addmm_, not one lora_addmm_sum (its own tests).
+    monkeypatch.setattr(LoraAddmmSettings, "sum_members", False)
     grad_x, grads = step("always")
     # dX per layer: q/k/v as one group (rank 18), o_proj (6), the MLP's down per chunk (6), gate/up
     # (12); the forward: q, k, v and o_proj (6 each; the MLP's gate/up terms go through its activation

@@ -23,6 +23,12 @@ import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_auto_takes, lora_addmm_pays_off
+from ..kernels.lora_addmm_sum import (
+    MAX_MEMBERS,
+    lora_addmm_sum,
+    lora_addmm_sum_may_take,
+    lora_addmm_sum_pays_off,
+)
 from ..kernels.lora_terms import (
     lora_expand_add,
     lora_expand_add_,
@@ -31,7 +37,13 @@ from ..kernels.lora_terms import (
     lora_weight_grad,
 )
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
-from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
+from .frozen_base import (
+    FrozenBase,
+    LoraWeights,
+    base_out_features,
+    materialize_weight,
+    weight_is_materialized_fresh,
+)
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
 # apply(x, x_lora, plan, layout, *tensors): the flattened tensors start here.
@@ -208,6 +220,17 @@ def shared_input_grad_x(
     augment = with_lora_term and allow_augmented and LoraAddmmSettings.mode != "always"
     augment = augment and not lora_addmm_auto_takes(grads_2d[0], plan.compute_dtype, x_dtype)
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
+    weights = None  # every member's weight, where a summed dX materialized them and then did not run
+    if member is None and term_pending and 1 < len(bases) <= MAX_MEMBERS:
+        if lora_addmm_sum_may_take(grads_2d[0], plan.compute_dtype, x_dtype) and _sum_weights_fit(
+            bases, plan
+        ):
+            grads_compute = [grad.to(plan.compute_dtype) for grad in grads_2d]
+            weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
+            if lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):
+                right = _right_operand_of_dx_term(loras, lora_a_t)
+                return lora_addmm_sum(grads_compute, weights, grad_xa, right, lora_scale)
+            del grads_compute
     order = range(len(bases)) if member is None else [member, *(i for i in range(len(bases)) if i != member)]
     for index in order:
         base, grad = bases[index], grads_2d[index]
@@ -220,7 +243,7 @@ def shared_input_grad_x(
             term_pending = False
             del weight, grad_compute
             continue
-        weight = materialize_weight(base, plan.compute_dtype)
+        weight = materialize_weight(base, plan.compute_dtype) if weights is None else weights[index]
         if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
         elif term_pending and lora_addmm_pays_off(grad_compute, weight, x_dtype):
@@ -234,6 +257,22 @@ def shared_input_grad_x(
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
     right = _right_operand_of_dx_term(loras, lora_a_t)
     return _add_lora_term(grad_x_base, grad_xa, right, lora_scale, x_dtype)
+
+
+# The most bytes of weights a summed dX materializes at once (dequantized or cast; the loop above holds
+# one at a time). Llama-3.1-8B's q/k/v dequantized take 48 MiB together; gate/up take 224 MiB, whose
+# extra 112 MiB would lift the 4-bit MLP's peak (692 MiB at 8192 tokens) past its 700 MiB budget.
+SUM_FRESH_WEIGHT_BYTES = 64 * 2**20
+
+
+def _sum_weights_fit(bases: Sequence[FrozenBase], plan: DtypePlan) -> bool:
+    """Whether every member's weight may be materialized at once for `lora_addmm_sum`."""
+    fresh_bytes = 0
+    for base in bases:
+        if weight_is_materialized_fresh(base, plan.compute_dtype):
+            out_features, in_features = base.quant.shape if base.quant is not None else base.weight.shape
+            fresh_bytes += out_features * in_features * plan.compute_dtype.itemsize
+    return fresh_bytes <= SUM_FRESH_WEIGHT_BYTES
 
 
 def lora_input_grad(

@@ -109,6 +109,9 @@ class LoraAddmmSettings:
 
     mode = "auto"
     min_tokens = 1024
+    # A group's dX as one `lora_addmm_sum` (every member's K loop in one GEMM) where lora_addmm would
+    # take its first GEMM; False keeps lora_addmm + `addmm_` per member (tests, `plans_ab --switch sum`).
+    sum_members = True
 
 
 def lora_addmm_auto_takes(grad: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
