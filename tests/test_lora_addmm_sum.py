@@ -33,7 +33,9 @@ from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 from fastlora_peft.kernels.lora_addmm_sum import (
     MAX_MEMBERS,
+    SUM_MAX_MEMBER_K,
     lora_addmm_sum,
+    lora_addmm_sum_may_take,
     lora_addmm_sum_op,
     lora_addmm_sum_pays_off,
     sum_fits_tma,
@@ -173,6 +175,32 @@ def test_pays_off_only_where_lora_addmm_would(monkeypatch):
     assert not lora_addmm_sum_pays_off(a, [b[0], torch.zeros(16, 8, dtype=BF16).T], BF16)  # K-major b
     monkeypatch.setattr(LoraAddmmSettings, "sum_members", False)
     assert not lora_addmm_sum_pays_off(a, b, BF16)
+
+
+def test_auto_sums_members_of_moderate_k_on_hopper(monkeypatch):
+    """ "auto": lora_addmm's device and rows rule, and no member's K past SUM_MAX_MEMBER_K (q/k/v's
+    4096/1024/1024 summed; gate/up's 14336 not: measured slower there). "always" ignores the K rule."""
+    from types import SimpleNamespace
+
+    from fastlora_peft.kernels import lora_addmm as addmm_module
+
+    monkeypatch.setattr(addmm_module, "_is_hopper", lambda device: device == "hopper")
+
+    def grads(*ks, rows=LoraAddmmSettings.min_tokens, device="hopper"):
+        return [SimpleNamespace(is_cuda=True, shape=(rows, k), device=device) for k in ks]
+
+    assert SUM_MAX_MEMBER_K == 8192
+    assert lora_addmm_sum_may_take(grads(4096, 1024, 1024), BF16, BF16)
+    assert lora_addmm_sum_may_take(grads(8192, 8192), FP16, FP16)
+    assert not lora_addmm_sum_may_take(grads(14336, 14336), BF16, BF16)
+    assert not lora_addmm_sum_may_take(grads(1024, 8193), BF16, BF16)
+    assert not lora_addmm_sum_may_take(grads(4096, 1024, 1024, 1024), BF16, BF16)  # past MAX_MEMBERS
+    assert not lora_addmm_sum_may_take(grads(4096, 1024, rows=LoraAddmmSettings.min_tokens - 1), BF16, BF16)
+    assert not lora_addmm_sum_may_take(grads(4096, 1024, device="ampere"), BF16, BF16)
+    assert not lora_addmm_sum_may_take(grads(4096, 1024), FP32, FP32)
+    assert not lora_addmm_sum_may_take(grads(4096, 1024), BF16, FP32)  # dX handed out wider
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    assert lora_addmm_sum_may_take(grads(14336, 14336, rows=1, device="ampere"), BF16, BF16)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -201,7 +201,9 @@ def shared_input_grad_x(
 
     One member's GEMM carries all the LoRA terms in its K dimension where `augmented_member` picks
     one (see `augmented_k`; not with `allow_augmented=False`, for a caller that decided already);
-    else the first GEMM carries them (`lora_addmm`) where `lora_addmm_pays_off` says so; otherwise
+    else a group of up to three makes all of dX in one GEMM (`lora_addmm_sum`) where
+    `lora_addmm_sum_pays_off` says so, or the first GEMM carries them (`lora_addmm`) where
+    `lora_addmm_pays_off` does; otherwise
     cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds them. lora_a_t: the forward's
     `group_lora_a_t`, or None to stack the As here.
     """
@@ -221,10 +223,11 @@ def shared_input_grad_x(
     augment = augment and not lora_addmm_auto_takes(grads_2d[0], plan.compute_dtype, x_dtype)
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
     weights = None  # every member's weight, where a summed dX materialized them and then did not run
-    if member is None and term_pending and 1 < len(bases) <= MAX_MEMBERS:
-        if lora_addmm_sum_may_take(grads_2d[0], plan.compute_dtype, x_dtype) and _sum_weights_fit(
-            bases, plan
-        ):
+    # A group's dX as one GEMM over every member's K, the term included (`lora_addmm_sum`): no `addmm_`
+    # rereading and rewriting dX per member past the first, one launch.
+    summed = member is None and term_pending and 1 < len(bases) <= MAX_MEMBERS
+    if summed and lora_addmm_sum_may_take(grads_2d, plan.compute_dtype, x_dtype):
+        if _sum_weights_fit(bases, plan):
             grads_compute = [grad.to(plan.compute_dtype) for grad in grads_2d]
             weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
             if lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):

@@ -112,17 +112,32 @@ def sum_fits_tma(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-def lora_addmm_sum_may_take(grad: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """What `lora_addmm_sum_pays_off` checks before the weights are materialized: where `lora_addmm`
-    would take a dX of `grad`'s rows ("always": wherever the dtypes allow; "auto": a Hopper GPU, at
-    least `min_tokens` rows), computed and handed out in one 16-bit dtype, with
-    `LoraAddmmSettings.sum_members` on."""
+# "auto" sums members of at most this many K (out features) each. The sum saves a read and a write of
+# dX per member past the first (`addmm_`'s), while its TMA GEMM runs about 2% behind cuBLAS at these
+# shapes (docs/benchmarks/session19/tma_gemm_probe*, session22/tma_ws_probe.log): a cost per member that
+# grows with K, against a saving that does not, even at about 14k. H200, 8192 tokens, bf16, kernel
+# time per step (`python -m benchmarks.kernel_ab --switch sum`, docs/benchmarks/session22/kab_sum_*):
+# q/k/v (K 4096, 1024, 1024) 562 us summed against 594 for lora_addmm + two addmm_; gate/up (K 14336
+# each) 2480 against 2460.
+SUM_MAX_MEMBER_K = 8192
+
+
+def lora_addmm_sum_may_take(
+    grads: Sequence[torch.Tensor], compute_dtype: torch.dtype, out_dtype: torch.dtype
+) -> bool:
+    """What `lora_addmm_sum_pays_off` checks before the weights are materialized, given the members'
+    upstream gradients (`[M, K_i]`): where `lora_addmm` would take their dX ("always": wherever the
+    dtypes allow; "auto": a Hopper GPU, at least `min_tokens` rows, and no member past
+    `SUM_MAX_MEMBER_K`), computed and handed out in one 16-bit dtype, at most `MAX_MEMBERS` of them,
+    with `LoraAddmmSettings.sum_members` on."""
     mode = LoraAddmmSettings.mode
-    if mode == "never" or not LoraAddmmSettings.sum_members:
+    if mode == "never" or not LoraAddmmSettings.sum_members or len(grads) > MAX_MEMBERS:
         return False
     if compute_dtype != out_dtype or compute_dtype not in _SIXTEEN_BIT:
         return False
-    return mode == "always" or _auto_device_and_rows(grad)
+    if mode == "always":
+        return True
+    return _auto_device_and_rows(grads[0]) and all(grad.shape[1] <= SUM_MAX_MEMBER_K for grad in grads)
 
 
 def lora_addmm_sum_pays_off(
@@ -130,7 +145,7 @@ def lora_addmm_sum_pays_off(
 ) -> bool:
     """Whether a group's `sum_i a_i @ b_i` plus its LoRA term into `out_dtype` should run as one
     `lora_addmm_sum` call: `lora_addmm_sum_may_take`, and the TMA kernel reads every member."""
-    return lora_addmm_sum_may_take(a[0], a[0].dtype, out_dtype) and sum_fits_tma(a, b)
+    return lora_addmm_sum_may_take(a, a[0].dtype, out_dtype) and sum_fits_tma(a, b)
 
 
 def _lora_addmm_sum_tma_triton(
