@@ -1,6 +1,6 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum] [--tokens 8192] [--blocks o,qkv,mlp]
+python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group] [--tokens 8192] [--blocks o,qkv,mlp]
     [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
@@ -17,7 +17,9 @@ lora_addmm), against no augmented K anywhere: lora_addmm where "auto" takes the 
 expand-add elsewhere ("augmented" / "no_augmented"; `functions/augmented_k.py`); `addmm`,
 `LoraAddmmSettings.mode` "auto" against "never" (the forward's and dX's GEMMs with the term inside,
 `kernels/lora_addmm.py`); `sum`, `LoraAddmmSettings.sum_members`: a group's dX as one
-`lora_addmm_sum` against lora_addmm + `addmm_` per further member (`kernels/lora_addmm_sum.py`).
+`lora_addmm_sum` against lora_addmm + `addmm_` per further member (`kernels/lora_addmm_sum.py`);
+`group`, `LoraAddmmSettings.group_forward`: a group's forward GEMMs as one `lora_addmm_group` launch
+against one lora_addmm per member (`kernels/lora_addmm_group.py`).
 """
 
 from __future__ import annotations
@@ -73,11 +75,18 @@ def set_sum(enabled: bool) -> None:
     LoraAddmmSettings.sum_members = enabled
 
 
+def set_group(enabled: bool) -> None:
+    """On: a group's forward GEMMs as one `lora_addmm_group` launch where lora_addmm takes them; off:
+    one lora_addmm per member."""
+    LoraAddmmSettings.group_forward = enabled
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "plans": set_plans,
     "augmented": set_augmented,
     "addmm": set_addmm,
     "sum": set_sum,
+    "group": set_group,
 }
 
 
@@ -87,13 +96,13 @@ def library_defaults() -> Callable[[], None]:
     since the twentieth session: a reset to "never" after one block would run every later block of
     the command without lora_addmm)."""
     plans, addmm_mode, min_tokens = LaunchPlans.enabled, LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens
-    sum_members = LoraAddmmSettings.sum_members
+    sum_members, group_forward = LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward
 
     def restore() -> None:
         LaunchPlans.enabled = plans
         library_rules()
         LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens = addmm_mode, min_tokens
-        LoraAddmmSettings.sum_members = sum_members
+        LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward = sum_members, group_forward
 
     return restore
 

@@ -209,10 +209,11 @@ def test_ab_tools_put_the_library_defaults_back():
             switch(False)
         LoraAddmmSettings.min_tokens = 1
         assert LoraAddmmSettings.mode == "never" and shared_input.augmented_member is plans_ab._no_member
-        assert not LoraAddmmSettings.sum_members
+        assert not LoraAddmmSettings.sum_members and not LoraAddmmSettings.group_forward
     finally:
         restore()
     assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
     assert LoraAddmmSettings.min_tokens == 1024 and LoraAddmmSettings.sum_members
+    assert LoraAddmmSettings.group_forward
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes

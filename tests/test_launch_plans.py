@@ -22,6 +22,7 @@ from fastlora_peft.kernels import (
     gated_act_lora,
     gated_act_reference,
     lora_addmm,
+    lora_addmm_group,
     lora_addmm_sum,
     lora_augment,
     lora_terms,
@@ -68,6 +69,9 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     # lora_addmm_sum's seven: three members' a and b, and the output.
     sum_direct = direct._replace(encoders=tuple(_fake_encoder() for _ in range(7)))
     monkeypatch.setattr(lora_addmm_sum._lora_addmm_sum_tma_kernel, "direct", _AlwaysCompiled(sum_direct))
+    # lora_addmm_group's seven: a, three members' weights and outputs.
+    group_kernel = lora_addmm_group._lora_addmm_group_tma_kernel
+    monkeypatch.setattr(group_kernel, "direct", _AlwaysCompiled(sum_direct))
     # Launches that went through `CachedKernel.launch` (the launcher's own path), not a plan.
     through_cache = _THROUGH_CACHE
     through_cache.clear()
@@ -89,6 +93,7 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         lora_augment._AUGMENTED_LEFT_PLANS,
         lora_addmm._TMA_PLANS,
         lora_addmm_sum._SUM_PLANS,
+        lora_addmm_group._GROUP_PLANS,
     )
     for plans in (*all_plans, *gated_plans, *other_plans):
         monkeypatch.setattr(plans, "plans", {})

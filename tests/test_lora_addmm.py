@@ -321,8 +321,10 @@ def test_tiny_llama_dx_through_lora_addmm(dtype_id, adapter_dtype, monkeypatch):
 
     calls = []
     monkeypatch.setattr(shared_input, "lora_addmm", lambda *args: calls.append(args) or lora_addmm(*args))
-    # The groups' dX through lora_addmm + addmm_, not one lora_addmm_sum (its own tests).
+    # The groups' dX through lora_addmm + addmm_ and their forward through lora_addmm per member, not
+    # one lora_addmm_sum or lora_addmm_group (their own tests).
     monkeypatch.setattr(LoraAddmmSettings, "sum_members", False)
+    monkeypatch.setattr(LoraAddmmSettings, "group_forward", False)
     grad_x, grads = step("always")
     # dX per layer: q/k/v as one group (rank 18), o_proj (6), the MLP's down per chunk (6), gate/up
     # (12); the forward: q, k, v and o_proj (6 each; the MLP's gate/up terms go through its activation

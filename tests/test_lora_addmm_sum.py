@@ -31,6 +31,7 @@ from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materia
 from fastlora_peft.functions.shared_input import fused_lora_projections
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+from fastlora_peft.kernels.lora_addmm_group import lora_addmm_group
 from fastlora_peft.kernels.lora_addmm_sum import (
     MAX_MEMBERS,
     SUM_MAX_MEMBER_K,
@@ -285,8 +286,9 @@ def test_four_bit_members_past_the_byte_budget_keep_the_loop(monkeypatch):
 
 @pytest.mark.parametrize("adapter_dtype", [None, FP32], ids=["same", "fp32adapters"])
 def test_tiny_llama_groups_take_the_sum(adapter_dtype, monkeypatch):
-    """A whole model under "always": q/k/v (rank 18) and gate/up (12) each take one sum per layer;
-    every gradient as without the sum (lora_addmm + addmm_), within the 16-bit rounding."""
+    """A whole model under "always": q/k/v (rank 18) and gate/up (12) each take one sum per layer, and
+    q/k/v's forward one lora_addmm_group; every gradient as without them (lora_addmm per GEMM and
+    addmm_), within the 16-bit rounding."""
     model = tiny_llama(BF16)
     config = FastLoraConfig(r=6, lora_alpha=9, target_modules="all-linear")
     fast = get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == FP32)
@@ -295,13 +297,17 @@ def test_tiny_llama_groups_take_the_sum(adapter_dtype, monkeypatch):
     embeds = torch.randn(2, 5, 48, generator=generator).to(BF16)
     loss_weight = torch.randn(2, 5, 61, generator=generator)
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
-    calls = []
+    calls, group_calls = [], []
     monkeypatch.setattr(
         shared_input, "lora_addmm_sum", lambda *args: calls.append(args) or lora_addmm_sum(*args)
     )
+    monkeypatch.setattr(
+        shared_input, "lora_addmm_group", lambda *args: group_calls.append(args) or lora_addmm_group(*args)
+    )
 
-    def step(sum_members):
-        monkeypatch.setattr(LoraAddmmSettings, "sum_members", sum_members)
+    def step(grouped):  # q/k/v's forward in one launch too (lora_addmm_group), or neither
+        monkeypatch.setattr(LoraAddmmSettings, "sum_members", grouped)
+        monkeypatch.setattr(LoraAddmmSettings, "group_forward", grouped)
         fast.zero_grad(set_to_none=True)
         x = embeds.clone().requires_grad_()
         (fast(inputs_embeds=x).logits.float() * loss_weight).sum().backward()
@@ -310,9 +316,12 @@ def test_tiny_llama_groups_take_the_sum(adapter_dtype, monkeypatch):
     grad_x, grads = step(True)
     layers = fast.config.num_hidden_layers
     assert sorted(left.shape[1] for _, _, left, _, _ in calls) == [12] * layers + [18] * layers
+    # The forward: q/k/v only (gate/up's terms go through the gated activation's kernel).
+    assert [[left.shape[1] for left in lefts] for _, _, lefts, _, _ in group_calls] == [[6, 6, 6]] * layers
     calls.clear()
+    group_calls.clear()
     grad_x_loop, grads_loop = step(False)
-    assert calls == []
+    assert calls == [] and group_calls == []
     assert rel_err(grad_x, grad_x_loop) <= 3e-2
     for name, grad in grads.items():
         assert rel_err(grad, grads_loop[name]) <= 3e-2, name

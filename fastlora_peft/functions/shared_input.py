@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_auto_takes, lora_addmm_pays_off
+from ..kernels.lora_addmm_group import lora_addmm_group, lora_addmm_group_may_take, lora_addmm_group_pays_off
 from ..kernels.lora_addmm_sum import (
     MAX_MEMBERS,
     lora_addmm_sum,
@@ -112,9 +113,14 @@ def shared_input_forward(
     lora_a_t = group_lora_a_t(loras) if lora_a_t is None else lora_a_t
     stacked_a = loras[0].lora_a if lora_a_t is None else lora_a_t.t()
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_a)
+    weights = None  # every member's weight, where the grouped forward made them and then did not run
+    if add_lora_terms and out is None and 1 < len(bases) <= MAX_MEMBERS:
+        grouped, weights = _grouped_forward(x_compute, xa, bases, loras, plan)
+        if grouped is not None:
+            return grouped, xa
     outputs = []
     for index, (base, lora, ranks) in enumerate(zip(bases, loras, rank_slices(loras))):
-        weight = materialize_weight(base, plan.compute_dtype)
+        weight = materialize_weight(base, plan.compute_dtype) if weights is None else weights[index]
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         destination = None if out is None else out[index]
         if add_lora_terms and destination is None and bias is None and LoraAddmmSettings.mode != "never":
@@ -141,6 +147,24 @@ def shared_input_forward(
             result = destination
         outputs.append(result)
     return outputs, xa
+
+
+def _grouped_forward(x_compute, xa, bases, loras, plan) -> tuple[Optional[list], Optional[list]]:
+    """(every member's output from one `lora_addmm_group` launch, None), or (None, the weights it
+    materialized or None) where that does not pay off: then the members' GEMMs run one by one. The
+    weights are materialized together, dequantized ones only within `SUM_FRESH_WEIGHT_BYTES`, as for
+    the summed dX."""
+    if any(base.bias is not None for base in bases):
+        return None, None
+    if not lora_addmm_group_may_take(x_compute, plan.out_dtype) or not _sum_weights_fit(bases, plan):
+        return None, None
+    weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
+    weights_t = [weight.t() for weight in weights]
+    lefts = [xa[:, ranks] for ranks in rank_slices(loras)]
+    if not lora_addmm_group_pays_off(x_compute, weights_t, lefts, plan.out_dtype):
+        return None, weights
+    rights = [lora.lora_b for lora in loras]
+    return lora_addmm_group(x_compute, weights_t, lefts, rights, [lora.scale for lora in loras]), None
 
 
 def _linear_into(destination, x, weight, bias) -> torch.Tensor:

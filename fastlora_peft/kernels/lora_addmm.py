@@ -112,6 +112,9 @@ class LoraAddmmSettings:
     # A group's dX as one `lora_addmm_sum` (every member's K loop in one GEMM) where lora_addmm would
     # take its first GEMM; False keeps lora_addmm + `addmm_` per member (tests, `plans_ab --switch sum`).
     sum_members = True
+    # A group's forward GEMMs as one `lora_addmm_group` launch where lora_addmm would take each; False
+    # keeps one lora_addmm per member (tests, `plans_ab --switch group`).
+    group_forward = True
 
 
 def lora_addmm_auto_takes(grad: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:

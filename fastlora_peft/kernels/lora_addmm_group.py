@@ -1,0 +1,314 @@
+"""A group's forward in one launch: ``out_i = a @ b_i + scale_i * left_i @ right_i.T`` for every member.
+
+The members of a shared-input group (q/k/v) read the same x. `lora_addmm` makes each output in a
+launch of its own; here one persistent TMA kernel walks the output tiles of every member (member 0's
+first, each member's in `lora_addmm`'s grouped order), and a tile starts its accumulator with its
+member's LoRA term and runs that member's K loop over the shared a, as `lora_addmm`'s kernel does.
+One launch instead of one per member, and one wave schedule over all their tiles: at 8192 tokens
+q's 512 wide tiles, k's and v's 128 each fill 3.9 + 1.0 + 1.0 waves of the H200's 132 SMs in three
+launches, 5.8 in one.
+
+Taken where `lora_addmm` would take every member's forward GEMM (`LoraAddmmSettings`, see
+`lora_addmm_group_pays_off`), for groups of up to `MAX_MEMBERS`. Where TMA cannot read an operand the
+op calls `lora_addmm` per member, so every caller gets the same contract. A `torch.library` custom op
+with a fake; the reference (``lora_addmm_reference.lora_addmm`` per member) runs on the CPU outside the
+Triton interpreter, as for every op here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fastlora_peft.kernels import lora_addmm_reference as reference
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._lora_common import _num_sms
+from fastlora_peft.kernels.dots import expand_dot_precision
+from fastlora_peft.kernels.lora_addmm import (
+    _SIXTEEN_BIT,
+    RANK_TILE,
+    TMA_INTERPRETER_CONFIG,
+    LoraAddmmSettings,
+    _auto_device_and_rows,
+    _grouped_tile,
+    _k_major,
+    _rows_fit_tma,
+    lora_addmm,
+    tma_gpu_config,
+)
+from fastlora_peft.kernels.lora_addmm_sum import MAX_MEMBERS
+from fastlora_peft.kernels.lora_expand_add import expand_term
+
+_TMA_INTERPRETER_PROGRAMS = 3
+
+
+@triton.jit
+def _member_tile(
+    a_desc, b_desc, out_desc, Left_ptr, Right_ptr, tile, M, N, K, R, scale,
+    stride_lm, stride_lr, stride_rn, stride_rr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Output tile `tile` (numbered within its member) of A @ B + scale * Left @ Right^T, B K-major
+    (read as its [N, K] transpose)."""
+    pid_m, pid_n = _grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = scale * expand_term(
+        Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
+        stride_lm, stride_lr, stride_rn, stride_rr,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        if FP32_DOT:  # the interpreter computes 16-bit dots wrongly; 16-bit products are exact in fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a, b, acc)
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+@CachedKernel
+@triton.jit
+def _lora_addmm_group_tma_kernel(
+    a_desc, b0_desc, b1_desc, b2_desc, out0_desc, out1_desc, out2_desc,
+    Left0_ptr, Left1_ptr, Left2_ptr, Right0_ptr, Right1_ptr, Right2_ptr,
+    M, N0, N1, N2, K, R0, R1, R2, scale0, scale1, scale2,
+    stride_lm, stride_lr, stride_rn0, stride_rr0, stride_rn1, stride_rr1, stride_rn2, stride_rr2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, MEMBERS: tl.constexpr, PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Out_i = A @ B_i + scale_i * Left_i @ Right_i^T for i < MEMBERS, persistent: PROGRAMS programs
+    walk member 0's tiles, then member 1's, then member 2's (slots past MEMBERS are not read). The
+    Left_i share their strides (columns of one xa)."""
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    tiles0 = blocks_m * tl.cdiv(N0, BLOCK_N)
+    tiles1 = blocks_m * tl.cdiv(N1, BLOCK_N) if MEMBERS > 1 else 0
+    tiles2 = blocks_m * tl.cdiv(N2, BLOCK_N) if MEMBERS > 2 else 0
+    for tile in tl.range(tl.program_id(0), tiles0 + tiles1 + tiles2, PROGRAMS):
+        if tile < tiles0:
+            _member_tile(
+                a_desc, b0_desc, out0_desc, Left0_ptr, Right0_ptr, tile, M, N0, K, R0, scale0,
+                stride_lm, stride_lr, stride_rn0, stride_rr0,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M,
+                DOT_PRECISION=DOT_PRECISION, FP32_DOT=FP32_DOT,
+            )  # fmt: skip
+        elif tile < tiles0 + tiles1:
+            _member_tile(
+                a_desc, b1_desc, out1_desc, Left1_ptr, Right1_ptr, tile - tiles0, M, N1, K, R1, scale1,
+                stride_lm, stride_lr, stride_rn1, stride_rr1,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M,
+                DOT_PRECISION=DOT_PRECISION, FP32_DOT=FP32_DOT,
+            )  # fmt: skip
+        else:
+            _member_tile(
+                a_desc, b2_desc, out2_desc, Left2_ptr, Right2_ptr, tile - tiles0 - tiles1, M, N2, K, R2,
+                scale2, stride_lm, stride_lr, stride_rn2, stride_rr2,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M,
+                DOT_PRECISION=DOT_PRECISION, FP32_DOT=FP32_DOT,
+            )  # fmt: skip
+
+
+def group_fits_tma(a: torch.Tensor, b: Sequence[torch.Tensor], left: Sequence[torch.Tensor]) -> bool:
+    """Whether the TMA kernel reads every member: 1 to MAX_MEMBERS of them, a row-major [M, K] and
+    each b_i K-major (a weight's transpose, [K, N_i]) of a's 16-bit dtype, every row 16-byte
+    aligned, and the lefts with one set of strides (columns of one xa)."""
+    if not 0 < len(b) <= MAX_MEMBERS or len(left) != len(b):
+        return False
+    if a.dtype not in _SIXTEEN_BIT or a.numel() == 0 or not _rows_fit_tma(a):
+        return False
+    for b_i, left_i in zip(b, left):
+        if b_i.dtype != a.dtype or b_i.numel() == 0 or not _k_major(b_i) or not _rows_fit_tma(b_i.t()):
+            return False
+        if (b_i.shape[1] * a.element_size()) % 16 != 0 or left_i.stride() != left[0].stride():
+            return False
+    return True
+
+
+def lora_addmm_group_may_take(a: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """What `lora_addmm_group_pays_off` checks before the weights are materialized: where
+    `lora_addmm` would take a's GEMMs ("always": wherever the dtypes allow; "auto": a Hopper GPU, at
+    least `min_tokens` rows), a 16-bit a of the output's dtype, `LoraAddmmSettings.group_forward` on."""
+    mode = LoraAddmmSettings.mode
+    if mode == "never" or not LoraAddmmSettings.group_forward:
+        return False
+    if a.dtype != out_dtype or a.dtype not in _SIXTEEN_BIT:
+        return False
+    return mode == "always" or _auto_device_and_rows(a)
+
+
+def lora_addmm_group_pays_off(
+    a: torch.Tensor, b: Sequence[torch.Tensor], left: Sequence[torch.Tensor], out_dtype: torch.dtype
+) -> bool:
+    """Whether a group's forward (`a @ b_i` plus each member's term into `out_dtype`) should run as
+    one `lora_addmm_group` call: `lora_addmm_group_may_take`, and the TMA kernel reads every member."""
+    return lora_addmm_group_may_take(a, out_dtype) and group_fits_tma(a, b, left)
+
+
+def _lora_addmm_group_tma_triton(
+    *,
+    a: torch.Tensor,
+    b: Sequence[torch.Tensor],
+    left: Sequence[torch.Tensor],
+    right: Sequence[torch.Tensor],
+    scale: Sequence[float],
+    config: tuple[int, int, int, int, int] | None = None,
+) -> list[torch.Tensor]:
+    plan_key = None
+    if config is None and _GROUP_PLANS.enabled:
+        plan_key = _group_plan_key(a, b, left, right)
+        plan = _GROUP_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_group_plan(plan, a, b, left, right, scale)
+    M, K = a.shape
+    members = len(b)
+    widths = [b_i.shape[1] for b_i in b]
+    outs = [torch.empty((M, n), dtype=a.dtype, device=a.device) for n in widths]
+    copied = tuple(right_i.stride(1) != 1 for right_i in right)
+    right = [r.contiguous() if copy else r for r, copy in zip(right, copied)]
+    block_m, block_n, block_k, warps, stages = config or (
+        tma_gpu_config(M, sum(widths), a.device) if a.is_cuda else TMA_INTERPRETER_CONFIG
+    )
+    slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]  # slots past the group repeat the last
+    tiles = sum(cdiv(M, block_m) * cdiv(n, block_n) for n in widths)
+    programs = min(tiles, _num_sms(a.device) if a.is_cuda else _TMA_INTERPRETER_PROGRAMS)
+    sizes = (M, *(widths[i] for i in slot), K, *(left[i].shape[1] for i in slot))
+    right_strides = tuple(stride for i in slot for stride in right[i].stride())
+    bound = _lora_addmm_group_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [block_m, block_k]),
+        *(TensorDescriptor.from_tensor(b[i].t(), [block_n, block_k]) for i in slot),
+        *(TensorDescriptor.from_tensor(outs[i], [block_m, block_n]) for i in slot),
+        *(left[i] for i in slot), *(right[i] for i in slot),
+        *sizes, *(float(scale[i]) for i in slot), *left[0].stride(), *right_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE, GROUP_M=8, MEMBERS=members,
+        PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype), FP32_DOT=not a.is_cuda,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if plan_key is not None and bound is not None:
+        plan = _GroupPlan(bound, copied, tuple(widths), sizes, (*left[0].stride(), *right_strides))
+        _GROUP_PLANS.add(plan_key, plan)
+    return outs
+
+
+class _GroupPlan(NamedTuple):
+    """What `_lora_addmm_group_tma_triton` derived from its inputs' metadata, to launch the same again
+    (the tensors go where the kernel reads descriptors: `BoundLaunch` encodes them)."""
+
+    launch: BoundLaunch
+    copy_right: tuple[bool, ...]  # each right copied to a contiguous one first (strides: the copies')
+    widths: tuple[int, ...]  # N_i of each member's output
+    sizes: tuple[int, ...]  # M, N0, N1, N2, K, R0, R1, R2
+    strides: tuple[int, ...]  # the lefts' (shared), then each slot's right's
+
+
+_GROUP_PLANS = LaunchPlans("lora_addmm_group_tma")
+
+
+def _group_plan_key(a, b, left, right) -> tuple:
+    """The one key of a plan: the launcher's and the op body's lookups must agree."""
+    return _GROUP_PLANS.key(a, *b, *left, *right)
+
+
+def _run_group_plan(plan: _GroupPlan, a, b, left, right, scale) -> list[torch.Tensor]:
+    members = len(b)
+    right = [r.contiguous() if copy else r for r, copy in zip(right, plan.copy_right)]
+    outs = [torch.empty((a.shape[0], n), dtype=a.dtype, device=a.device) for n in plan.widths]
+    slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]
+    plan.launch(
+        a, *(b[i].t() for i in slot), *(outs[i] for i in slot), *(left[i] for i in slot),
+        *(right[i] for i in slot), *plan.sizes, *(float(scale[i]) for i in slot), *plan.strides,
+    )  # fmt: skip
+    return outs
+
+
+def _check_lora_addmm_group(a, b, left, right, scale) -> None:
+    op = "lora_addmm_group"
+    if not 0 < len(b) == len(left) == len(right) == len(scale):
+        raise ValueError(f"{op}: b, left, right and scale must be lists of one length > 0")
+    if a.dim() != 2 or a.dtype not in (*_SIXTEEN_BIT, torch.float64):
+        raise ValueError(f"{op}: a must be 2-D [M, K] of a 16-bit dtype, got {list(a.shape)} {a.dtype}")
+    M, K = a.shape
+    for index, (b_i, left_i, right_i) in enumerate(zip(b, left, right)):
+        if b_i.dim() != 2 or left_i.dim() != 2 or right_i.dim() != 2:
+            raise ValueError(f"{op}: member {index}: b [K, N], left [M, R] and right [N, R] must be 2-D")
+        if b_i.dtype != a.dtype:
+            raise ValueError(
+                f"{op}: member {index}: a and b must share one 16-bit dtype, got {a.dtype}, {b_i.dtype}"
+            )
+        if left_i.dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"{op}: member {index}: left must be float32 (lora_shrink's), got {left_i.dtype}"
+            )
+        N, R = b_i.shape[1], left_i.shape[1]
+        if b_i.shape[0] != K or left_i.shape[0] != M or tuple(right_i.shape) != (N, R):
+            raise ValueError(
+                f"{op}: member {index}: shapes must be a [M, K], b [K, N], left [M, R], right [N, R], got "
+                f"{list(a.shape)}, {list(b_i.shape)}, {list(left_i.shape)}, {list(right_i.shape)}"
+            )
+        if not (a.device == b_i.device == left_i.device == right_i.device):
+            raise ValueError(f"{op}: all inputs must be on one device")
+
+
+def lora_addmm_group(
+    a: torch.Tensor,
+    b: Sequence[torch.Tensor],
+    left: Sequence[torch.Tensor],
+    right: Sequence[torch.Tensor],
+    scale: Sequence[float],
+) -> list[torch.Tensor]:
+    """``[a @ b[i] + scale[i] * left[i] @ right[i].T for each i]``: `fastlora::lora_addmm_group`."""
+    b, left, right, scale = list(b), list(left), list(right), [float(s) for s in scale]
+    if skips_op_dispatch(a, *b, *left, *right):
+        return _lora_addmm_group_body(a, b, left, right, scale)
+    return lora_addmm_group_op(a, b, left, right, scale)
+
+
+def _lora_addmm_group_body(
+    a: torch.Tensor,
+    b: list[torch.Tensor],
+    left: list[torch.Tensor],
+    right: list[torch.Tensor],
+    scale: list[float],
+) -> list[torch.Tensor]:
+    """Each member's ``a @ b[i] + scale[i] * left[i] @ right[i].T``, summed in fp32 and rounded once
+    to a's dtype: one TMA launch where it reads every member (`group_fits_tma`), else `lora_addmm`
+    per member.
+
+    a: [M, K] 16-bit (x); b[i]: [K, N_i] of a's dtype (a weight's transpose); left[i]: [M, R_i]
+    float32 (columns of xa); right[i]: [N_i, R_i], any float dtype and strides (lora_B). Returns
+    [M, N_i] contiguous tensors of a's dtype.
+    """
+    if _GROUP_PLANS.serve(a):  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
+        plan = _GROUP_PLANS.get(_group_plan_key(a, b, left, right))
+        if plan is not None:
+            return _run_group_plan(plan, a, b, left, right, scale)
+    _check_lora_addmm_group(a, b, left, right, scale)
+    if not runs_triton(a):
+        return [reference.lora_addmm(a, *member).contiguous() for member in zip(b, left, right, scale)]
+    if group_fits_tma(a, b, left):
+        return _lora_addmm_group_tma_triton(a=a, b=b, left=left, right=right, scale=scale)
+    return [lora_addmm(a, *member) for member in zip(b, left, right, scale)]
+
+
+lora_addmm_group_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_addmm_group", _lora_addmm_group_body, mutates_args=()
+)
+
+
+@lora_addmm_group_op.register_fake
+def _(
+    a: torch.Tensor,
+    b: list[torch.Tensor],
+    left: list[torch.Tensor],
+    right: list[torch.Tensor],
+    scale: list[float],
+) -> list[torch.Tensor]:
+    _check_lora_addmm_group(a, b, left, right, scale)
+    return [a.new_empty((a.shape[0], b_i.shape[1])) for b_i in b]

@@ -1,0 +1,247 @@
+"""`lora_addmm_group` (a group's forward GEMMs in one launch, each member's tile starting with its own
+LoRA term) and the grouped forward that takes it.
+
+The kernel against float64 under the interpreter (1, 2 and 3 members, ragged tiles, unequal ranks);
+the per-member `lora_addmm` it runs where TMA cannot read an operand; checks, opcheck and the
+predicate; its launch plan; and, with `LoraAddmmSettings.mode = "always"`, a q/k/v group's forward in
+every 16-bit layout against float64 with the ops counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, OpCounter, rel_err
+from test_launch_plans import _ENCODED_ADDRESSES, _planned_and_unplanned, recorded_launches  # noqa: F401
+from test_lora_addmm_sum import QKV_SHAPES, SIXTEEN_BIT_LAYOUTS, _group
+
+from fastlora_peft.dtypes import plan_projection_dtypes
+from fastlora_peft.functions.frozen_base import FrozenBase, materialize_weight
+from fastlora_peft.functions.shared_input import fused_lora_projections
+from fastlora_peft.kernels import lora_addmm_group as group_module
+from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+from fastlora_peft.kernels.lora_addmm_group import (
+    group_fits_tma,
+    lora_addmm_group,
+    lora_addmm_group_op,
+    lora_addmm_group_pays_off,
+)
+from fastlora_peft.kernels.lora_addmm_sum import MAX_MEMBERS
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+TOLERANCE = {BF16: 1e-2, FP16: 1e-3}  # one rounding of a 16-bit result (the interpreter truncates bf16)
+needs_triton = pytest.mark.skipif(
+    not (TRITON_INTERPRET or torch.cuda.is_available()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m, k, widths, dtype, right_dtype, seed=0):
+    """a [m, k]; per member b_i [k, n_i] K-major (a weight's transpose), left_i [m, r_i] (columns of
+    one token-major xa, r_i = 3 + i), right_i [n_i, r_i], scale_i. Terms as large as the GEMMs'."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    ranks = [3 + i for i in range(len(widths))]
+    a = randn(m, k).to(DEVICE, dtype)
+    b = [(randn(n, k) / k**0.5).to(DEVICE, dtype).t() for n in widths]
+    xa = randn(sum(ranks), m).T.to(DEVICE)  # token-major, as lora_shrink hands it out
+    starts = [sum(ranks[:i]) for i in range(len(ranks))]
+    left = [xa[:, start : start + r] for start, r in zip(starts, ranks)]
+    right = [(randn(n, r) / r**0.5).to(DEVICE, right_dtype) for n, r in zip(widths, ranks)]
+    return a, b, left, right, [0.5 + i for i in range(len(widths))]
+
+
+def _truths(a, b, left, right, scale):
+    return [
+        a.double() @ b_i.double() + s * left_i.double() @ right_i.double().T
+        for b_i, left_i, right_i, s in zip(b, left, right, scale)
+    ]
+
+
+CASES = [
+    pytest.param(dtype, right_dtype, widths, id="-".join([name, "n" + "_".join(map(str, widths))]))
+    for (name, dtype, right_dtype), widths in itertools.product(
+        [("bf16", BF16, BF16), ("bf16-fp32a", BF16, FP32), ("fp16", FP16, FP16), ("fp16-fp32a", FP16, FP32)],
+        # ragged column tiles in every member (the interpreter's tiles are 16 x 32 x 16)
+        [(40,), (72, 24), (72, 8, 40)],
+    )
+]  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, right_dtype, widths", CASES)
+def test_kernel_matches_float64(dtype, right_dtype, widths, triton_launches):
+    # 37 rows: a ragged row tile; K = 40: a ragged K tile.
+    a, b, left, right, scale = _operands(37, 40, widths, dtype, right_dtype)
+    assert group_fits_tma(a, b, left)
+    outs = lora_addmm_group(a, b, left, right, scale)
+    assert triton_launches == {"_lora_addmm_group_tma_kernel": 1}, triton_launches
+    truths = _truths(a, b, left, right, scale)
+    unscaled = _truths(a, b, left, right, [1.0] * len(widths))
+    for out, truth, wrong, width in zip(outs, truths, unscaled, widths):
+        assert out.dtype == dtype and out.is_contiguous() and out.shape == (37, width)
+        assert rel_err(out, truth) <= TOLERANCE[dtype]
+        if wrong is not unscaled[0]:  # member 0's scale is 0.5: each member's own scale counts
+            assert rel_err(out, wrong) > 10 * TOLERANCE[dtype]
+    assert rel_err(outs[0], unscaled[0]) > 10 * TOLERANCE[dtype]
+
+
+@needs_triton
+def test_operands_tma_cannot_read_take_lora_addmm_per_member(triton_launches):
+    """A ragged K of 19 (38-byte rows): `lora_addmm`'s pointer kernel once per member."""
+    a, b, left, right, scale = _operands(37, 19, (40, 24), BF16, FP32)
+    assert not group_fits_tma(a, b, left)
+    outs = lora_addmm_group(a, b, left, right, scale)
+    assert triton_launches == {"_lora_addmm_kernel": 2}, triton_launches
+    for out, truth in zip(outs, _truths(a, b, left, right, scale)):
+        assert rel_err(out, truth) <= TOLERANCE[BF16]
+
+
+def test_reference_and_float64():
+    a, b, left, right, scale = _operands(9, 16, (8, 24), BF16, FP32)
+    cpu = lambda tensors: [t.cpu() for t in tensors]  # noqa: E731
+    double = lambda tensors: [t.double() for t in cpu(tensors)]  # noqa: E731
+    outs = lora_addmm_group(a.cpu().double(), double(b), double(left), double(right), scale)
+    truths = _truths(a.cpu(), cpu(b), cpu(left), cpu(right), scale)
+    assert all(rel_err(out, truth) <= 1e-12 for out, truth in zip(outs, truths))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(b=lambda b: [b[0][:-1], b[1]]), "shapes"),
+        (dict(b=lambda b: [b[0], b[1].half()]), "16-bit"),
+        (dict(scale=lambda s: s[:1]), "one length"),
+        (dict(left=lambda left: [left[0], left[1].to(BF16)]), "left must be float32"),
+    ],
+    ids=["k-mismatch", "mixed-dtypes", "lengths", "16bit-left"],
+)
+def test_checks_name_the_problem(bad, match):
+    a, b, left, right, scale = _operands(7, 16, (8, 16), BF16, FP32)
+    args = dict(
+        a=a.cpu(), b=[t.cpu() for t in b], left=[t.cpu() for t in left], right=[t.cpu() for t in right]
+    )
+    args["scale"] = scale
+    for name, change in bad.items():
+        args[name] = change(args[name])
+    with pytest.raises(ValueError, match=match):
+        lora_addmm_group(**args)
+
+
+def test_opcheck():
+    a, b, left, right, scale = _operands(8, 16, (8, 16), BF16, FP32)
+    cpu = [a.cpu(), [t.cpu() for t in b], [t.cpu() for t in left], [t.cpu() for t in right], scale]
+    torch.library.opcheck(lora_addmm_group_op, cpu)
+
+
+def test_pays_off_only_where_lora_addmm_would(monkeypatch):
+    a, b, left, _, _ = _operands(64, 16, (8, 16), BF16, FP32)
+    a, b, left = a.cpu(), [t.cpu() for t in b], [t.cpu() for t in left]
+    assert LoraAddmmSettings.mode == "auto" and LoraAddmmSettings.group_forward
+    assert not lora_addmm_group_pays_off(a, b, left, BF16)  # CPU tensors
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "never")
+    assert not lora_addmm_group_pays_off(a, b, left, BF16)
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    assert lora_addmm_group_pays_off(a, b, left, BF16)
+    assert not lora_addmm_group_pays_off(a, b, left, FP32)  # an fp32 output
+    assert not lora_addmm_group_pays_off(a, [b[0], b[1].t().contiguous()], left, BF16)  # row-major b
+    assert not lora_addmm_group_pays_off(a, [b[0]] * (MAX_MEMBERS + 1), [left[0]] * (MAX_MEMBERS + 1), BF16)
+    monkeypatch.setattr(LoraAddmmSettings, "group_forward", False)
+    assert not lora_addmm_group_pays_off(a, b, left, BF16)
+
+
+@pytest.mark.parametrize("widths", [(72, 24), (72, 8, 40)], ids=["two", "three"])
+def test_plan_launches_what_the_launcher_would(recorded_launches, widths):  # noqa: F811
+    """The plan passes a, each member's weight ([N, K]) and output where the kernel takes descriptors
+    (slots past the group repeat the last member), and launches what the launcher would."""
+
+    def make_inputs(seed):
+        a, b, left, right, scale = _operands(33, 40, widths, BF16, FP32, seed=seed)
+        return dict(a=a, b=b, left=left, right=right, scale=[s + seed for s in scale])
+
+    _ENCODED_ADDRESSES.clear()
+    launch = _planned_and_unplanned(recorded_launches, group_module._lora_addmm_group_tma_triton, make_inputs)
+    descriptors = [value[5] for value in launch if type(value) is tuple and value[0] == "tma"]
+    slots = list(widths) + [widths[-1]] * (MAX_MEMBERS - len(widths))
+    assert descriptors == [(33, 40), *((n, 40) for n in slots), *((33, n) for n in slots)]
+    floats = [value for value in launch if type(value) is float]
+    assert floats[:MAX_MEMBERS] == [0.5 + 1 + min(i, len(widths) - 1) for i in range(MAX_MEMBERS)]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+)
+def test_plan_launches_directly_and_computes_the_reference(triton_launches, monkeypatch):
+    """On Hopper: the kernel launches through its C launch with seven descriptor encoders, from its
+    plan from the second call on, each call computing the reference (new values, same addresses)."""
+    monkeypatch.setattr(group_module._GROUP_PLANS, "plans", {})
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a, b, left, right, _ = _operands(1000, 512, (384, 128, 128), BF16, FP32)
+    for call in range(3):
+        for tensor in (a, *b, *left, *right):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, device="cuda") * 0.1)
+        scale = [0.5 + call, 1.5, 2.5]
+        outs = lora_addmm_group(a, b, left, right, scale)
+        for out, truth in zip(outs, _truths(a, b, left, right, scale)):
+            assert rel_err(out, truth) < 5e-3, call
+    assert triton_launches["_lora_addmm_group_tma_kernel"] == 3
+    plan = group_module._GROUP_PLANS.get(group_module._group_plan_key(a, b, left, right))
+    assert plan is not None and plan.launch.direct is not None and len(plan.launch.direct.encoders) == 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fused group's forward (feature sizes multiples of 64: bitsandbytes quantizes only those on CPU).
+# ---------------------------------------------------------------------------------------------------
+_VIEW_OPS = frozenset({"view", "t", "slice", "alias", "detach", "transpose", "_unsafe_view", "as_strided"})
+
+
+def _group_forward(shapes, layout, bias=False):
+    dtype, _, quantized = layout
+    bases, loras = _group(shapes, layout)
+    if bias:
+        bases = [
+            FrozenBase(base.weight, torch.randn(out).to(dtype), base.quant)
+            for base, (_, out) in zip(bases, shapes)
+        ]
+    x = torch.randn(3, 7, shapes[0][0], generator=torch.Generator().manual_seed(1)).to(dtype)
+    plan = plan_projection_dtypes(dtype, dtype, quantized=quantized, device_type="cpu")
+    with OpCounter(_VIEW_OPS) as ops:
+        outputs = fused_lora_projections(x, bases, loras, plan)
+    truths = []
+    for base, lora in zip(bases, loras):
+        weight = materialize_weight(base, FP32).double()
+        delta = lora.scale * lora.lora_b.detach().double() @ lora.lora_a.detach().double()
+        truth = x.reshape(21, -1).double() @ (weight + delta).T
+        truths.append(truth if base.bias is None else truth + base.bias.double())
+    return [out.reshape(21, -1) for out in outputs], truths, dict(ops.ops)
+
+
+@pytest.mark.parametrize("layout_id", list(SIXTEEN_BIT_LAYOUTS))
+def test_group_forward_is_one_launch(layout_id, monkeypatch, triton_launches):
+    """Every 16-bit layout: each output within one rounding of float64, from one `lora_addmm_group`
+    and no other GEMM or expand-add; without it, one lora_addmm per member."""
+    layout = SIXTEEN_BIT_LAYOUTS[layout_id]
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    outputs, truths, ops = _group_forward(QKV_SHAPES, layout)
+    assert ops.get("fastlora.lora_addmm_group") == 1, ops
+    assert not {"mm", "addmm", "fastlora.lora_addmm", "fastlora.lora_expand_add_"} & set(ops), ops
+    if TRITON_INTERPRET:
+        assert triton_launches.get("_lora_addmm_group_tma_kernel") == 1, triton_launches
+    for out, truth in zip(outputs, truths):
+        assert rel_err(out, truth) <= TOLERANCE[layout[0]]
+    monkeypatch.setattr(LoraAddmmSettings, "group_forward", False)
+    _, _, ops = _group_forward(QKV_SHAPES, layout)
+    assert "fastlora.lora_addmm_group" not in ops and ops.get("fastlora.lora_addmm") == 3, ops
+
+
+def test_a_bias_keeps_the_members_apart(monkeypatch):
+    """A bias (no lora_addmm either) leaves the forward to cuBLAS and the expand-add per member."""
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    outputs, truths, ops = _group_forward(QKV_SHAPES, FUNCTION_LAYOUTS["bf16"], bias=True)
+    assert "fastlora.lora_addmm_group" not in ops and ops.get("fastlora.lora_expand_add_") == 3, ops
+    assert all(rel_err(out, truth) <= TOLERANCE[BF16] for out, truth in zip(outputs, truths))
