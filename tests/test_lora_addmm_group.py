@@ -245,3 +245,56 @@ def test_a_bias_keeps_the_members_apart(monkeypatch):
     outputs, truths, ops = _group_forward(QKV_SHAPES, FUNCTION_LAYOUTS["bf16"], bias=True)
     assert "fastlora.lora_addmm_group" not in ops and ops.get("fastlora.lora_expand_add_") == 3, ops
     assert all(rel_err(out, truth) <= TOLERANCE[BF16] for out, truth in zip(outputs, truths))
+
+
+# Compiles the group and sum kernels for an H100/H200 (sm_90) with the tiles and descriptors the
+# launchers use there, three members, and prints their shared memory (Triton's ptxas runs on the
+# CPU; a subprocess, because under TRITON_INTERPRET=1 `triton.jit` makes no compilable kernel). The
+# group kernel's first version, one K loop per member, asked for 295-361 KB on the H200.
+_SM90_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastlora_peft.kernels import lora_addmm, lora_addmm_group, lora_addmm_sum
+
+BM, BN, BK, WARPS, STAGES = lora_addmm.TMA_GPU_CONFIG
+kernels = {
+    "group": (lora_addmm_group._lora_addmm_group_tma_kernel.kernel, [BN, BK]),  # weights K-major
+    "sum": (lora_addmm_sum._lora_addmm_sum_tma_kernel.kernel, [BK, BN]),  # weights row-major
+}
+constexprs = dict(
+    BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=lora_addmm.RANK_TILE, GROUP_M=8, MEMBERS=3, PROGRAMS=132,
+    DOT_PRECISION="tf32", FP32_DOT=False,
+)
+for name, (fn, b_block) in kernels.items():
+    names = fn.arg_names
+    def kind(arg):
+        if arg in constexprs:
+            return "constexpr"
+        if arg.endswith("_desc"):
+            block = [BM, BK] if arg[0] == "a" else b_block if arg[0] == "b" else [BM, BN]
+            return f"tensordesc<bf16[{block[0]},{block[1]}]>"
+        return "*fp32" if arg.endswith("_ptr") else "fp32" if arg.startswith("scale") else "i32"
+    signature = {arg: kind(arg) for arg in names}
+    fixed = {(names.index(k),): v for k, v in constexprs.items()}
+    source = ASTSource(fn=fn, signature=signature, constexprs=fixed)
+    options = dict(num_warps=WARPS, num_stages=STAGES)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    print(name, kernel.metadata.shared)
+"""
+H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
+
+
+def test_gpu_kernels_fit_hopper_shared_memory():
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = {line.split()[0]: int(line.split()[1]) for line in result.stdout.split("\n") if line}
+    assert set(shared) == {"group", "sum"}, result.stdout
+    assert all(size <= H100_SHARED_MEMORY for size in shared.values()), shared
