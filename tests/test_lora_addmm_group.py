@@ -150,6 +150,7 @@ def test_pays_off_only_where_lora_addmm_would(monkeypatch):
     assert lora_addmm_group_pays_off(a, b, left, BF16)
     assert not lora_addmm_group_pays_off(a, b, left, FP32)  # an fp32 output
     assert not lora_addmm_group_pays_off(a, [b[0], b[1].t().contiguous()], left, BF16)  # row-major b
+    assert not lora_addmm_group_pays_off(a, b, [left[0], left[1].contiguous()], BF16)  # one set of strides
     assert not lora_addmm_group_pays_off(a, [b[0]] * (MAX_MEMBERS + 1), [left[0]] * (MAX_MEMBERS + 1), BF16)
     monkeypatch.setattr(LoraAddmmSettings, "group_forward", False)
     assert not lora_addmm_group_pays_off(a, b, left, BF16)
