@@ -104,7 +104,10 @@ class LoraAddmmSettings:
     `lora_expand_add_` everywhere), or "always" (wherever the dtypes allow it: the tests run it under
     the interpreter). It applies to the forward's base GEMM (`shared_input_forward`: no bias, a new
     output) and to dX's first GEMM. In "auto" a shared-input dX that would take it takes it in place
-    of the augmented GEMM (`shared_input_grad_x`; "always" keeps the augmented one out).
+    of the augmented GEMM (`shared_input_grad_x`; "always" keeps the augmented one out). Where it
+    applies, a group of up to three members (q/k/v) takes its forward GEMMs as one launch
+    (`lora_addmm_group`, `group_forward`) and its dX as one GEMM (`lora_addmm_sum`, `sum_members`;
+    under "auto" for members of K at most `lora_addmm_sum.SUM_MAX_MEMBER_K`).
     """
 
     mode = "auto"
