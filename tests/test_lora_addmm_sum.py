@@ -26,7 +26,7 @@ from peft import get_peft_model
 
 from fastlora_peft import FastLoraConfig
 from fastlora_peft.dtypes import plan_projection_dtypes
-from fastlora_peft.functions import shared_input
+from fastlora_peft.functions import group_gemms
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materialize_weight
 from fastlora_peft.functions.shared_input import fused_lora_projections
 from fastlora_peft.kernels import lora_addmm_reference as reference
@@ -277,7 +277,7 @@ def test_group_dx_is_one_summed_gemm(layout_id, shapes, monkeypatch, triton_laun
 def test_four_bit_members_past_the_byte_budget_keep_the_loop(monkeypatch):
     """Dequantized weights beyond `SUM_FRESH_WEIGHT_BYTES` are not held at once: one at a time."""
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
-    monkeypatch.setattr(shared_input, "SUM_FRESH_WEIGHT_BYTES", 2 * 64 * 192 * 2 - 1)
+    monkeypatch.setattr(group_gemms, "SUM_FRESH_WEIGHT_BYTES", 2 * 64 * 192 * 2 - 1)
     _, _, ops = _group_dx(GATE_UP_SHAPES, FUNCTION_LAYOUTS["nf4-bf16-adapters"])
     assert "fastlora.lora_addmm_sum" not in ops and ops.get("addmm_") == 1, ops
     _, _, ops = _group_dx(GATE_UP_SHAPES, FUNCTION_LAYOUTS["bf16"])  # stored weights: nothing made
@@ -299,10 +299,10 @@ def test_tiny_llama_groups_take_the_sum(adapter_dtype, monkeypatch):
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
     calls, group_calls = [], []
     monkeypatch.setattr(
-        shared_input, "lora_addmm_sum", lambda *args: calls.append(args) or lora_addmm_sum(*args)
+        group_gemms, "lora_addmm_sum", lambda *args: calls.append(args) or lora_addmm_sum(*args)
     )
     monkeypatch.setattr(
-        shared_input, "lora_addmm_group", lambda *args: group_calls.append(args) or lora_addmm_group(*args)
+        group_gemms, "lora_addmm_group", lambda *args: group_calls.append(args) or lora_addmm_group(*args)
     )
 
     def step(grouped):  # q/k/v's forward in one launch too (lora_addmm_group), or neither

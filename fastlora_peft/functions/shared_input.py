@@ -23,13 +23,7 @@ import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_auto_takes, lora_addmm_pays_off
-from ..kernels.lora_addmm_group import lora_addmm_group, lora_addmm_group_may_take, lora_addmm_group_pays_off
-from ..kernels.lora_addmm_sum import (
-    MAX_MEMBERS,
-    lora_addmm_sum,
-    lora_addmm_sum_may_take,
-    lora_addmm_sum_pays_off,
-)
+from ..kernels.lora_addmm_sum import MAX_MEMBERS
 from ..kernels.lora_terms import (
     lora_expand_add,
     lora_expand_add_,
@@ -38,13 +32,8 @@ from ..kernels.lora_terms import (
     lora_weight_grad,
 )
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
-from .frozen_base import (
-    FrozenBase,
-    LoraWeights,
-    base_out_features,
-    materialize_weight,
-    weight_is_materialized_fresh,
-)
+from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
+from .group_gemms import grouped_forward, summed_grad_x
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
 # apply(x, x_lora, plan, layout, *tensors): the flattened tensors start here.
@@ -115,7 +104,7 @@ def shared_input_forward(
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_a)
     weights = None  # every member's weight, where the grouped forward made them and then did not run
     if add_lora_terms and out is None and 1 < len(bases) <= MAX_MEMBERS:
-        grouped, weights = _grouped_forward(x_compute, xa, bases, loras, plan)
+        grouped, weights = grouped_forward(x_compute, xa, bases, loras, plan, rank_slices(loras))
         if grouped is not None:
             return grouped, xa
     outputs = []
@@ -147,24 +136,6 @@ def shared_input_forward(
             result = destination
         outputs.append(result)
     return outputs, xa
-
-
-def _grouped_forward(x_compute, xa, bases, loras, plan) -> tuple[Optional[list], Optional[list]]:
-    """(every member's output from one `lora_addmm_group` launch, None), or (None, the weights it
-    materialized or None) where that does not pay off: then the members' GEMMs run one by one. The
-    weights are materialized together, dequantized ones only within `SUM_FRESH_WEIGHT_BYTES`, as for
-    the summed dX."""
-    if any(base.bias is not None for base in bases):
-        return None, None
-    if not lora_addmm_group_may_take(x_compute, plan.out_dtype) or not _sum_weights_fit(bases, plan):
-        return None, None
-    weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
-    weights_t = [weight.t() for weight in weights]
-    lefts = [xa[:, ranks] for ranks in rank_slices(loras)]
-    if not lora_addmm_group_pays_off(x_compute, weights_t, lefts, plan.out_dtype):
-        return None, weights
-    rights = [lora.lora_b for lora in loras]
-    return lora_addmm_group(x_compute, weights_t, lefts, rights, [lora.scale for lora in loras]), None
 
 
 def _linear_into(destination, x, weight, bias) -> torch.Tensor:
@@ -247,17 +218,11 @@ def shared_input_grad_x(
     augment = augment and not lora_addmm_auto_takes(grads_2d[0], plan.compute_dtype, x_dtype)
     member = augmented_member(bases, loras, plan, tokens, grads_2d[0].device, x_dtype) if augment else None
     weights = None  # every member's weight, where a summed dX materialized them and then did not run
-    # A group's dX as one GEMM over every member's K, the term included (`lora_addmm_sum`): no `addmm_`
-    # rereading and rewriting dX per member past the first, one launch.
-    summed = member is None and term_pending and 1 < len(bases) <= MAX_MEMBERS
-    if summed and lora_addmm_sum_may_take(grads_2d, plan.compute_dtype, x_dtype):
-        if _sum_weights_fit(bases, plan):
-            grads_compute = [grad.to(plan.compute_dtype) for grad in grads_2d]
-            weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
-            if lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):
-                right = _right_operand_of_dx_term(loras, lora_a_t)
-                return lora_addmm_sum(grads_compute, weights, grad_xa, right, lora_scale)
-            del grads_compute
+    if member is None and term_pending and 1 < len(bases) <= MAX_MEMBERS:
+        right = functools.partial(_right_operand_of_dx_term, loras, lora_a_t)
+        grad_x, weights = summed_grad_x(grads_2d, grad_xa, lora_scale, bases, plan, x_dtype, right)
+        if grad_x is not None:
+            return grad_x
     order = range(len(bases)) if member is None else [member, *(i for i in range(len(bases)) if i != member)]
     for index in order:
         base, grad = bases[index], grads_2d[index]
@@ -284,22 +249,6 @@ def shared_input_grad_x(
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
     right = _right_operand_of_dx_term(loras, lora_a_t)
     return _add_lora_term(grad_x_base, grad_xa, right, lora_scale, x_dtype)
-
-
-# The most bytes of weights a summed dX materializes at once (dequantized or cast; the loop above holds
-# one at a time). Llama-3.1-8B's q/k/v dequantized take 48 MiB together; gate/up take 224 MiB, whose
-# extra 112 MiB would lift the 4-bit MLP's peak (692 MiB at 8192 tokens) past its 700 MiB budget.
-SUM_FRESH_WEIGHT_BYTES = 64 * 2**20
-
-
-def _sum_weights_fit(bases: Sequence[FrozenBase], plan: DtypePlan) -> bool:
-    """Whether every member's weight may be materialized at once for `lora_addmm_sum`."""
-    fresh_bytes = 0
-    for base in bases:
-        if weight_is_materialized_fresh(base, plan.compute_dtype):
-            out_features, in_features = base.quant.shape if base.quant is not None else base.weight.shape
-            fresh_bytes += out_features * in_features * plan.compute_dtype.itemsize
-    return fresh_bytes <= SUM_FRESH_WEIGHT_BYTES
 
 
 def lora_input_grad(

@@ -1,0 +1,79 @@
+"""A shared-input group's GEMMs as one launch each way where the TMA kernels take them: the forward's
+(`lora_addmm_group`) and dX's (`lora_addmm_sum`), and how many materialized weights that may hold.
+
+Both hold every member's weight at once where the per-member paths of `shared_input` hold one at a
+time. Each returns None and the weights it made where its predicate says no, so the caller's
+per-member path reuses them instead of materializing (dequantizing) them again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..dtypes import DtypePlan
+from ..kernels.lora_addmm_group import lora_addmm_group, lora_addmm_group_may_take, lora_addmm_group_pays_off
+from ..kernels.lora_addmm_sum import lora_addmm_sum, lora_addmm_sum_may_take, lora_addmm_sum_pays_off
+from .frozen_base import FrozenBase, LoraWeights, materialize_weight, weight_is_materialized_fresh
+
+# The most bytes of weights a group's GEMM materializes at once (dequantized or cast). Llama-3.1-8B's
+# q/k/v dequantized take 48 MiB together; gate/up take 224 MiB, whose extra 112 MiB would lift the
+# 4-bit MLP's peak (692 MiB at 8192 tokens) past its 700 MiB budget.
+SUM_FRESH_WEIGHT_BYTES = 64 * 2**20
+
+
+def group_weights_fit(bases: Sequence[FrozenBase], plan: DtypePlan) -> bool:
+    """Whether every member's weight may be materialized at once."""
+    fresh_bytes = 0
+    for base in bases:
+        if weight_is_materialized_fresh(base, plan.compute_dtype):
+            out_features, in_features = base.quant.shape if base.quant is not None else base.weight.shape
+            fresh_bytes += out_features * in_features * plan.compute_dtype.itemsize
+    return fresh_bytes <= SUM_FRESH_WEIGHT_BYTES
+
+
+def grouped_forward(
+    x_compute: torch.Tensor,
+    xa: torch.Tensor,
+    bases: Sequence[FrozenBase],
+    loras: Sequence[LoraWeights],
+    plan: DtypePlan,
+    ranks: Sequence[slice],
+) -> tuple[Optional[list[torch.Tensor]], Optional[list[torch.Tensor]]]:
+    """(every member's output `x @ W_i.T + scale_i * xa_i @ B_i.T` from one `lora_addmm_group`
+    launch, None), or (None, the weights made or None). ranks: each member's columns of xa."""
+    if any(base.bias is not None for base in bases):
+        return None, None
+    if not lora_addmm_group_may_take(x_compute, plan.out_dtype) or not group_weights_fit(bases, plan):
+        return None, None
+    weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
+    weights_t = [weight.t() for weight in weights]
+    lefts = [xa[:, columns] for columns in ranks]
+    if not lora_addmm_group_pays_off(x_compute, weights_t, lefts, plan.out_dtype):
+        return None, weights
+    rights = [lora.lora_b for lora in loras]
+    return lora_addmm_group(x_compute, weights_t, lefts, rights, [lora.scale for lora in loras]), None
+
+
+def summed_grad_x(
+    grads_2d: Sequence[torch.Tensor],
+    grad_xa: torch.Tensor,
+    lora_scale: float,
+    bases: Sequence[FrozenBase],
+    plan: DtypePlan,
+    x_dtype: torch.dtype,
+    right_operand: Callable[[], torch.Tensor],
+) -> tuple[Optional[torch.Tensor], Optional[list[torch.Tensor]]]:
+    """(dX = sum_i g_i W_i plus the LoRA terms from one `lora_addmm_sum` GEMM, None), or (None, the
+    weights made or None): no `addmm_` rereading and rewriting dX per member past the first.
+    right_operand: makes the term's right operand (the stacked A^T), called only when it runs."""
+    if not lora_addmm_sum_may_take(grads_2d, plan.compute_dtype, x_dtype) or not group_weights_fit(
+        bases, plan
+    ):
+        return None, None
+    grads_compute = [grad.to(plan.compute_dtype) for grad in grads_2d]
+    weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
+    if not lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):
+        return None, weights
+    return lora_addmm_sum(grads_compute, weights, grad_xa, right_operand(), lora_scale), None
