@@ -183,3 +183,31 @@ def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch
     _counted_step(run, LAYOUTS[layout_id], shapes)
     assert len(lefts) == backward_budget[WGRAD], lefts
     assert all(stride[0] == 1 for _, stride in lefts), lefts
+
+
+# Where the TMA kernels take a group's GEMMs (`LoraAddmmSettings`: "auto" on Hopper from 1024 rows;
+# "always" here), q/k/v's forward is the A^T cat, one pass over x and one launch for all three GEMMs
+# with their terms; dX is one GEMM over the three members with the term; o_proj's GEMMs carry their
+# terms (lora_addmm). The MLP's gate/up dX sums only under "always" (its K of 14336 stays out under
+# "auto", `lora_addmm_sum.SUM_MAX_MEMBER_K`).
+ADDMM, ADDMM_SUM, ADDMM_GROUP = "fastlora.lora_addmm", "fastlora.lora_addmm_sum", "fastlora.lora_addmm_group"
+TMA_CASES = {
+    "o": ({SHRINK: 1, ADDMM: 1}, {SHRINK: 1, ADDMM: 1, WGRAD: 2}),
+    "qkv": ({"cat": 1, SHRINK: 1, ADDMM_GROUP: 1}, {SHRINK_STACKED: 1, ADDMM_SUM: 1, WGRAD: 4}),
+}
+
+
+@pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters"])
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_fused_step_with_the_tma_gemms_dispatches_its_budget(case, layout_id, monkeypatch):
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    run, shapes, *_ = CASES[case]
+    forward_budget, backward_budget = TMA_CASES[case]
+    forward_ops, backward_ops = _counted_step(run, LAYOUTS[layout_id], shapes)
+    if LAYOUTS[layout_id][2]:  # 4-bit: each weight dequantized once in the forward and once in dX
+        forward_budget = {**forward_budget, "fastlora.dequantize_4bit": len(shapes)}
+        backward_budget = {**backward_budget, "fastlora.dequantize_4bit": len(shapes)}
+    assert forward_ops == forward_budget
+    assert backward_ops == backward_budget
