@@ -185,6 +185,27 @@ def _grouped_tile(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
     return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
 
 
+@triton.jit
+def _tile_with_term(
+    Left_ptr, Right_ptr, tile, blocks_m, blocks_n, M, N, R, scale,
+    stride_lm, stride_lr, stride_rn, stride_rr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(first row, first column, fp32 accumulator holding scale * Left @ Right^T there) of output
+    tile `tile` in grouped order: how each TMA kernel (here, `lora_addmm_sum`, `lora_addmm_group`)
+    starts a tile, the term ahead of the K loop."""
+    pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = scale * expand_term(
+        Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
+        stride_lm, stride_lr, stride_rn, stride_rr,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, acc
+
+
 @CachedKernel
 @triton.jit
 def _lora_addmm_kernel(
@@ -312,25 +333,22 @@ def _lora_addmm_tma_kernel(
     blocks_n = tl.cdiv(N, BLOCK_N)
     # Not `flatten=True`: with a dot ahead of the K loop the flattened pipeline took twice as long.
     for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, PROGRAMS):
-        pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = scale * expand_term(
-            Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
+        off_m, off_n, acc = _tile_with_term(
+            Left_ptr, Right_ptr, tile, blocks_m, blocks_n, M, N, R, scale,
             stride_lm, stride_lr, stride_rn, stride_rr,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k0])
+            a = a_desc.load([off_m, k0])
             if B_K_MAJOR:
-                b = b_desc.load([pid_n * BLOCK_N, k0]).T
+                b = b_desc.load([off_n, k0]).T
             else:
-                b = b_desc.load([k0, pid_n * BLOCK_N])
+                b = b_desc.load([k0, off_n])
             if FP32_DOT:  # the interpreter computes 16-bit dots wrongly; 16-bit products are exact in fp32
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
             else:
                 acc = tl.dot(a, b, acc)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 def _rows_fit_tma(tensor: torch.Tensor) -> bool:

@@ -35,14 +35,13 @@ from fastlora_peft.kernels.lora_addmm import (
     TMA_INTERPRETER_CONFIG,
     LoraAddmmSettings,
     _auto_device_and_rows,
-    _grouped_tile,
     _k_major,
     _rows_fit_tma,
+    _tile_with_term,
     lora_addmm,
     tma_gpu_config,
 )
 from fastlora_peft.kernels.lora_addmm_sum import MAX_MEMBERS
-from fastlora_peft.kernels.lora_expand_add import expand_term
 
 _TMA_INTERPRETER_PROGRAMS = 3
 
@@ -56,22 +55,19 @@ def _member_tile(
 ):  # fmt: skip
     """Output tile `tile` (numbered within its member) of A @ B + scale * Left @ Right^T, B K-major
     (read as its [N, K] transpose)."""
-    pid_m, pid_n = _grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = scale * expand_term(
-        Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
+    off_m, off_n, acc = _tile_with_term(
+        Left_ptr, Right_ptr, tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), M, N, R, scale,
         stride_lm, stride_lr, stride_rn, stride_rr,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([pid_m * BLOCK_M, k0])
-        b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        a = a_desc.load([off_m, k0])
+        b = b_desc.load([off_n, k0]).T
         if FP32_DOT:  # the interpreter computes 16-bit dots wrongly; 16-bit products are exact in fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
         else:
             acc = tl.dot(a, b, acc)
-    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+    out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 @CachedKernel

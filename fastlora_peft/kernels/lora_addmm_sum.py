@@ -38,13 +38,12 @@ from fastlora_peft.kernels.lora_addmm import (
     TMA_INTERPRETER_CONFIG,
     LoraAddmmSettings,
     _auto_device_and_rows,
-    _grouped_tile,
     _k_major,
     _rows_fit_tma,
+    _tile_with_term,
     lora_addmm,
     tma_gpu_config,
 )
-from fastlora_peft.kernels.lora_expand_add import expand_term
 
 # The kernel's descriptor slots: q/k/v is the largest group the fused Functions make.
 MAX_MEMBERS = 3
@@ -78,16 +77,11 @@ def _lora_addmm_sum_tma_kernel(
     blocks_m = tl.cdiv(M, BLOCK_M)
     blocks_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, PROGRAMS):
-        pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = scale * expand_term(
-            Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
+        off_m, off_n, acc = _tile_with_term(
+            Left_ptr, Right_ptr, tile, blocks_m, blocks_n, M, N, R, scale,
             stride_lm, stride_lr, stride_rn, stride_rr,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
         acc = _member_k_loop(acc, a0_desc, b0_desc, K0, off_m, off_n, BLOCK_K=BLOCK_K, FP32_DOT=FP32_DOT)
         if MEMBERS > 1:
             acc = _member_k_loop(acc, a1_desc, b1_desc, K1, off_m, off_n, BLOCK_K=BLOCK_K, FP32_DOT=FP32_DOT)
