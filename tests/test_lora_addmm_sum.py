@@ -275,9 +275,9 @@ def test_group_dx_is_one_summed_gemm(layout_id, shapes, monkeypatch, triton_laun
 
 
 def test_four_bit_members_past_the_byte_budget_keep_the_loop(monkeypatch):
-    """Dequantized weights beyond `SUM_FRESH_WEIGHT_BYTES` are not held at once: one at a time."""
+    """Dequantized weights beyond `GROUP_FRESH_WEIGHT_BYTES` are not held at once: one at a time."""
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
-    monkeypatch.setattr(group_gemms, "SUM_FRESH_WEIGHT_BYTES", 2 * 64 * 192 * 2 - 1)
+    monkeypatch.setattr(group_gemms, "GROUP_FRESH_WEIGHT_BYTES", 2 * 64 * 192 * 2 - 1)
     _, _, ops = _group_dx(GATE_UP_SHAPES, FUNCTION_LAYOUTS["nf4-bf16-adapters"])
     assert "fastlora.lora_addmm_sum" not in ops and ops.get("addmm_") == 1, ops
     _, _, ops = _group_dx(GATE_UP_SHAPES, FUNCTION_LAYOUTS["bf16"])  # stored weights: nothing made

@@ -20,7 +20,7 @@ from .frozen_base import FrozenBase, LoraWeights, materialize_weight, weight_is_
 # The most bytes of weights a group's GEMM materializes at once (dequantized or cast). Llama-3.1-8B's
 # q/k/v dequantized take 48 MiB together; gate/up take 224 MiB, whose extra 112 MiB would lift the
 # 4-bit MLP's peak (692 MiB at 8192 tokens) past its 700 MiB budget.
-SUM_FRESH_WEIGHT_BYTES = 64 * 2**20
+GROUP_FRESH_WEIGHT_BYTES = 64 * 2**20
 
 
 def group_weights_fit(bases: Sequence[FrozenBase], plan: DtypePlan) -> bool:
@@ -30,7 +30,7 @@ def group_weights_fit(bases: Sequence[FrozenBase], plan: DtypePlan) -> bool:
         if weight_is_materialized_fresh(base, plan.compute_dtype):
             out_features, in_features = base.quant.shape if base.quant is not None else base.weight.shape
             fresh_bytes += out_features * in_features * plan.compute_dtype.itemsize
-    return fresh_bytes <= SUM_FRESH_WEIGHT_BYTES
+    return fresh_bytes <= GROUP_FRESH_WEIGHT_BYTES
 
 
 def grouped_forward(

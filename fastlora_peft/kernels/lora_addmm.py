@@ -317,6 +317,18 @@ def tma_gpu_config(rows: int, columns: int, device: torch.device) -> tuple[int, 
     return TMA_FEW_TILES_CONFIG if 2 * wide_tiles <= _num_sms(device) else TMA_GPU_CONFIG
 
 
+def tma_config(rows: int, columns: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """The tiles of a TMA kernel here (this one, `lora_addmm_sum`'s, `lora_addmm_group`'s) for
+    `[rows, columns]` of output: `tma_gpu_config` on a GPU, small ones under the interpreter."""
+    return tma_gpu_config(rows, columns, device) if device.type == "cuda" else TMA_INTERPRETER_CONFIG
+
+
+def tma_programs(tiles: int, device: torch.device) -> int:
+    """How many persistent programs walk `tiles` output tiles: one per SM at most (a few under the
+    interpreter, so each walks several)."""
+    return min(tiles, _num_sms(device) if device.type == "cuda" else _TMA_INTERPRETER_PROGRAMS)
+
+
 @CachedKernel
 @triton.jit
 def _lora_addmm_tma_kernel(
@@ -396,9 +408,7 @@ def _lora_addmm_tma_triton(
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     right_copied = right.stride(1) != 1
     right = right.contiguous() if right_copied else right
-    block_m, block_n, block_k, warps, stages = config or (
-        tma_gpu_config(M, N, a.device) if a.is_cuda else TMA_INTERPRETER_CONFIG
-    )
+    block_m, block_n, block_k, warps, stages = config or tma_config(M, N, a.device)
     b_k_major = _k_major(b)
     b_desc = (
         TensorDescriptor.from_tensor(b.t(), [block_n, block_k])
@@ -406,7 +416,7 @@ def _lora_addmm_tma_triton(
         else TensorDescriptor.from_tensor(b, [block_k, block_n])
     )
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
-    programs = min(tiles, _num_sms(a.device) if a.is_cuda else _TMA_INTERPRETER_PROGRAMS)
+    programs = tma_programs(tiles, a.device)
     sizes = (M, N, K, left.shape[1])
     strides = (left.stride(0), left.stride(1), right.stride(0), right.stride(1))
     bound = _lora_addmm_tma_kernel[(programs,)](

@@ -27,23 +27,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
-from fastlora_peft.kernels._lora_common import _num_sms
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_addmm import (
     _SIXTEEN_BIT,
     RANK_TILE,
-    TMA_INTERPRETER_CONFIG,
     LoraAddmmSettings,
     _auto_device_and_rows,
     _k_major,
     _rows_fit_tma,
     _tile_with_term,
     lora_addmm,
-    tma_gpu_config,
+    tma_config,
+    tma_programs,
 )
 from fastlora_peft.kernels.lora_addmm_sum import MAX_MEMBERS
-
-_TMA_INTERPRETER_PROGRAMS = 3
 
 
 @triton.jit
@@ -166,12 +163,10 @@ def _lora_addmm_group_tma_triton(
     outs = [torch.empty((M, n), dtype=a.dtype, device=a.device) for n in widths]
     copied = tuple(right_i.stride(1) != 1 for right_i in right)
     right = [r.contiguous() if copy else r for r, copy in zip(right, copied)]
-    block_m, block_n, block_k, warps, stages = config or (
-        tma_gpu_config(M, sum(widths), a.device) if a.is_cuda else TMA_INTERPRETER_CONFIG
-    )
+    block_m, block_n, block_k, warps, stages = config or tma_config(M, sum(widths), a.device)
     slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]  # slots past the group repeat the last
     tiles = sum(cdiv(M, block_m) * cdiv(n, block_n) for n in widths)
-    programs = min(tiles, _num_sms(a.device) if a.is_cuda else _TMA_INTERPRETER_PROGRAMS)
+    programs = tma_programs(tiles, a.device)
     sizes = (M, *(widths[i] for i in slot), K, *(left[i].shape[1] for i in slot))
     right_strides = tuple(stride for i in slot for stride in right[i].stride())
     bound = _lora_addmm_group_tma_kernel[(programs,)](

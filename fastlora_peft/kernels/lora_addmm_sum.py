@@ -30,24 +30,22 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
-from fastlora_peft.kernels._lora_common import _num_sms
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_addmm import (
     _SIXTEEN_BIT,
     RANK_TILE,
-    TMA_INTERPRETER_CONFIG,
     LoraAddmmSettings,
     _auto_device_and_rows,
     _k_major,
     _rows_fit_tma,
     _tile_with_term,
     lora_addmm,
-    tma_gpu_config,
+    tma_config,
+    tma_programs,
 )
 
 # The kernel's descriptor slots: q/k/v is the largest group the fused Functions make.
 MAX_MEMBERS = 3
-_TMA_INTERPRETER_PROGRAMS = 3
 
 
 @triton.jit
@@ -161,9 +159,7 @@ def _lora_addmm_sum_tma_triton(
     out = torch.empty((M, N), dtype=a[0].dtype, device=a[0].device)
     right_copied = right.stride(1) != 1
     right = right.contiguous() if right_copied else right
-    block_m, block_n, block_k, warps, stages = config or (
-        tma_gpu_config(M, N, a[0].device) if a[0].is_cuda else TMA_INTERPRETER_CONFIG
-    )
+    block_m, block_n, block_k, warps, stages = config or tma_config(M, N, a[0].device)
     # Slots past the group's members repeat the last member's operands (never read: MEMBERS).
     slots = [(a[min(i, members - 1)], b[min(i, members - 1)]) for i in range(MAX_MEMBERS)]
     descriptors = []
@@ -173,7 +169,7 @@ def _lora_addmm_sum_tma_triton(
             TensorDescriptor.from_tensor(b_i, [block_k, block_n]),
         ]
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
-    programs = min(tiles, _num_sms(a[0].device) if a[0].is_cuda else _TMA_INTERPRETER_PROGRAMS)
+    programs = tma_programs(tiles, a[0].device)
     sizes = (M, N, *(a_i.shape[1] if i < members else 0 for i, (a_i, _) in enumerate(slots)), left.shape[1])
     strides = (left.stride(0), left.stride(1), right.stride(0), right.stride(1))
     bound = _lora_addmm_sum_tma_kernel[(programs,)](
