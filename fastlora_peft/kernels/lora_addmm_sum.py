@@ -107,7 +107,8 @@ def sum_fits_tma(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
 # "auto" sums members of at most this many K (out features) each. The sum saves a read and a write of
 # dX per member past the first (`addmm_`'s), while its TMA GEMM runs about 2% behind cuBLAS at these
 # shapes (docs/benchmarks/session19/tma_gemm_probe*, session22/tma_ws_probe.log): a cost per member that
-# grows with K, against a saving that does not, even at about 14k. H200, 8192 tokens, bf16, kernel
+# grows with K, against a saving that does not; at gate/up's K of 14336 the cost was the larger. H200,
+# 8192 tokens, bf16, kernel
 # time per step (`python -m benchmarks.kernel_ab --switch sum`, docs/benchmarks/session22/kab_sum_*):
 # q/k/v (K 4096, 1024, 1024) 562 us summed against 594 for lora_addmm + two addmm_; gate/up (K 14336
 # each) 2480 against 2460.
