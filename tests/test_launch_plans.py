@@ -26,6 +26,7 @@ from fastlora_peft.kernels import (
     lora_addmm_sum,
     lora_augment,
     lora_terms,
+    lora_weight_grad_group,
 )
 from fastlora_peft.kernels import gated_act_lora_forward as gated_forward
 from fastlora_peft.kernels import lora_expand_add as expand_add_module
@@ -94,6 +95,7 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         lora_addmm._TMA_PLANS,
         lora_addmm_sum._SUM_PLANS,
         lora_addmm_group._GROUP_PLANS,
+        lora_weight_grad_group._GROUP_PLANS,
     )
     for plans in (*all_plans, *gated_plans, *other_plans):
         monkeypatch.setattr(plans, "plans", {})

@@ -97,6 +97,7 @@ _QKV_SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2)]
 _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
 
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
+WGRADS = "fastlora.lora_weight_grads"  # a Function's weight gradients in one op (grouped launches inside)
 SHRINK_STACKED = "fastlora.lora_shrink_stacked"
 GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grad_"
 
@@ -109,24 +110,26 @@ def _with_casts(budget: dict[str, int], casts: int) -> dict[str, int]:
 
 CASES = {
     # forward: one pass over x for every A, the base matmul, the LoRA term added in place.
-    # backward: dY @ B, dX (one matmul, the LoRA term in place), dA and dB.
-    "o": (_o, _O_SHAPES, {SHRINK: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRAD: 2}, 0),
+    # backward: dY @ B, dX (one matmul, the LoRA term in place), dA and dB (one op, one launch).
+    "o": (_o, _O_SHAPES, {SHRINK: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRADS: 1}, 0),
     # forward: the A^T side by side once (kept for backward's dX term); backward: dY_i @ B_i written
-    # side by side (one op, no cat), dX accumulated in one buffer, dA of all three in one pass, dB_i each.
+    # side by side (one op, no cat), dX accumulated in one buffer, dA of all three in one pass and the
+    # dB_i in one op (two launches: dA's rank is 3r).
     "qkv": (
         _o,
         _QKV_SHAPES,
         {"cat": 1, SHRINK: 1, "mm": 3, EXPAND: 3},
-        {SHRINK_STACKED: 1, "mm": 1, "addmm_": 2, EXPAND: 1, WGRAD: 4},
+        {SHRINK_STACKED: 1, "mm": 1, "addmm_": 2, EXPAND: 1, WGRADS: 1},
         0,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
-    # consumed inside the gated kernels; down as one projection.
+    # consumed inside the gated kernels; down as one projection (its dB alone, before dh; its dA inside
+    # the gated backward).
     "mlp": (
         _mlp,
         _MLP_SHAPES,
         {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
-        {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 4, GATED_BWD: 1},
+        {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 1, WGRADS: 1, GATED_BWD: 1},
         1,
     ),
 }
@@ -166,8 +169,8 @@ def test_mlp_adds_gate_and_up_lora_terms_inside_the_activation_kernel(layout_id)
 @pytest.mark.parametrize("layout_id", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch):
-    # lora_weight_grad's launcher copies a left operand ([tokens, r] fp32: xa or dY @ B) that is not
-    # token-major (stride(0) == 1) before its kernel reads it; the copy is inside the op, where the
+    # The weight-grad launchers copy a left operand ([tokens, r] fp32: xa or dY @ B) that is not
+    # token-major (stride(0) == 1) before their kernels read it; the copy is inside the op, where the
     # budgets above cannot see it. A group's dY_i @ B_i side by side used to come out row-major.
     from fastlora_peft.functions import shared_input
 
@@ -177,11 +180,17 @@ def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch
         lefts.append((tuple(left.shape), left.stride()))
         return weight_grad(left, x, scale, k_major, out_dtype)
 
-    weight_grad = shared_input.lora_weight_grad
+    def spy_grouped(group_lefts, xs, scales, k_major, out_dtype=None):
+        lefts.extend((tuple(left.shape), left.stride()) for left in group_lefts)
+        return weight_grads(group_lefts, xs, scales, k_major, out_dtype)
+
+    weight_grad, weight_grads = shared_input.lora_weight_grad, shared_input.lora_weight_grads
     monkeypatch.setattr(shared_input, "lora_weight_grad", spy)
-    run, shapes, _, backward_budget, _ = CASES[case]
+    monkeypatch.setattr(shared_input, "lora_weight_grads", spy_grouped)
+    run, shapes, *_ = CASES[case]
     _counted_step(run, LAYOUTS[layout_id], shapes)
-    assert len(lefts) == backward_budget[WGRAD], lefts
+    # o: dA, dB; q/k/v: dA of the three, three dB; MLP: gate/up's dA, their two dB, down's dB.
+    assert len(lefts) == {"o": 2, "qkv": 4, "mlp": 4}[case], lefts
     assert all(stride[0] == 1 for _, stride in lefts), lefts
 
 
@@ -192,8 +201,8 @@ def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch
 # "auto", `lora_addmm_sum.SUM_MAX_MEMBER_K`).
 ADDMM, ADDMM_SUM, ADDMM_GROUP = "fastlora.lora_addmm", "fastlora.lora_addmm_sum", "fastlora.lora_addmm_group"
 TMA_CASES = {
-    "o": ({SHRINK: 1, ADDMM: 1}, {SHRINK: 1, ADDMM: 1, WGRAD: 2}),
-    "qkv": ({"cat": 1, SHRINK: 1, ADDMM_GROUP: 1}, {SHRINK_STACKED: 1, ADDMM_SUM: 1, WGRAD: 4}),
+    "o": ({SHRINK: 1, ADDMM: 1}, {SHRINK: 1, ADDMM: 1, WGRADS: 1}),
+    "qkv": ({"cat": 1, SHRINK: 1, ADDMM_GROUP: 1}, {SHRINK_STACKED: 1, ADDMM_SUM: 1, WGRADS: 1}),
 }
 
 

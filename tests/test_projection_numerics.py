@@ -154,8 +154,15 @@ def test_projection_matches_peft_and_float64(layout: Layout, bias: bool, triton_
     if TRITON_INTERPRET:
         # The forward's term and dX's by an expand-add each: these shapes never save the augmented
         # dX's host time (augmented_k's rule), which test_augmented_k pins where it is taken.
-        for kernel in ("_lora_shrink_kernel", "_lora_expand_add_kernel", "_lora_weight_grad_kernel"):
+        for kernel in ("_lora_shrink_kernel", "_lora_expand_add_kernel"):
             assert triton_launches.get(kernel, 0) >= 2, f"{kernel} launches: {triton_launches}"
+        # dA (reading x) and dB (reading dY) in one launch (`lora_weight_grads`) where x and dY have
+        # one dtype; else one launch each (autocast: fp32 x, 16-bit dY).
+        grouped = x.dtype == fast_out.dtype
+        kernel, launches = (
+            ("_lora_weight_grad_group_kernel", 1) if grouped else ("_lora_weight_grad_kernel", 2)
+        )
+        assert triton_launches.get(kernel) == launches, triton_launches
         assert "_lora_augmented_left_kernel" not in triton_launches, triton_launches
         if layout.quantized:
             assert triton_launches.get("_dequantize_4bit_kernel", 0) >= 2, triton_launches

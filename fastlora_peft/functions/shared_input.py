@@ -31,6 +31,7 @@ from ..kernels.lora_terms import (
     lora_shrink_stacked,
     lora_weight_grad,
 )
+from ..kernels.lora_weight_grad_group import lora_weight_grads
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
 from .group_gemms import grouped_forward, summed_grad_x
@@ -275,21 +276,37 @@ def shared_input_weight_grads(
     needs_loras: Sequence[LoraWeights],
     needs_bases: Sequence[FrozenBase],
 ) -> tuple[list[LoraWeights], list[FrozenBase]]:
-    """dA_i (one pass over x for all of them), dB_i from the saved xa, and trainable biases' grads."""
+    """dA_i (one pass over x for all of them), dB_i from the saved xa, and trainable biases' grads.
+
+    The weight gradients go to one `lora_weight_grads` call, which launches together those it can
+    (o_proj's dA and dB, a group's dB_i), where every adapter has one dtype (each gradient is then
+    rounded to it by its kernel). A group of mixed adapter dtypes makes each with `lora_weight_grad`.
+    """
     needs_a = any(need.lora_a for need in needs_loras)
     a_dtypes = {lora.lora_a.dtype for lora in loras}
     # The kernel rounds to the adapters' dtype itself when the group has one (no separate cast); the
     # slices below are then views, and a mixed group casts each slice.
     a_dtype = next(iter(a_dtypes)) if len(a_dtypes) == 1 else None
-    grad_a_all = lora_weight_grad(grad_xa, x_2d, lora_scale, out_dtype=a_dtype) if needs_a else None
-    grad_loras = []
+    # (left, x, scale, k_major, out dtype) of each gradient: dA of the group first, then each dB_i,
+    # made K-major so its transpose (lora_B's layout) is dense and autograd keeps it as it is.
+    problems = [(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
     for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
-        grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
-        grad_b = None
         if need.lora_b:
-            # Made K-major, so its transpose (lora_B's layout) is dense and autograd keeps it as is.
-            b_dtype = lora.lora_b.dtype
-            grad_b = lora_weight_grad(xa[:, ranks], grad, lora.scale, k_major=True, out_dtype=b_dtype).t()
+            problems.append((xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype))
+    out_dtypes = {problem[4] for problem in problems}
+    if len(problems) > 1 and len(out_dtypes) == 1 and None not in out_dtypes:
+        lefts, xs, scales, k_major, out_dtype = zip(*problems)
+        weight_grads = lora_weight_grads(lefts, xs, scales, k_major, out_dtype[0])
+    else:
+        weight_grads = [
+            lora_weight_grad(*problem[:3], k_major=problem[3], out_dtype=problem[4]) for problem in problems
+        ]
+    grad_a_all = weight_grads[0] if needs_a else None
+    grad_bs = iter(weight_grads[1:] if needs_a else weight_grads)
+    grad_loras = []
+    for lora, need, ranks in zip(loras, needs_loras, rank_slices(loras)):
+        grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
+        grad_b = next(grad_bs).t() if need.lora_b else None
         grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
     grad_bases = []
     for base, need, grad in zip(bases, needs_bases, grads_2d):

@@ -95,6 +95,15 @@ def _lora_weight_grad_kernel(
 _MIN_ROWS_PER_SPLIT = 512
 
 
+def weight_grad_block_m(block_r: int, columns: int) -> int:
+    """Token rows per step of a weight-grad tile of `block_r` ranks and `columns` (K) columns."""
+    # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
+    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. Not retuned for the
+    # split dot bf16 x now takes (one run at rank 16: 64 rows 56us, 128 rows 40us at K=4096; 83 and
+    # 97us at K=14336, `dot_modes_probe_1_with_tiles.log`, where the default launch read 36us).
+    return 128 if block_r >= 32 and columns <= 8192 else 64
+
+
 def _lora_weight_grad_triton(
     *,
     left: torch.Tensor,
@@ -128,11 +137,7 @@ def _lora_weight_grad_triton(
     left_copied = left.stride(0) != 1
     left = left.T.contiguous().T if left_copied else left
     block_r = block_r or _rank_block(R, cap=64)
-    # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
-    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. Not retuned for the
-    # split dot bf16 x now takes (one run at rank 16: 64 rows 56us, 128 rows 40us at K=4096; 83 and
-    # 97us at K=14336, `dot_modes_probe_1_with_tiles.log`, where the default launch read 36us).
-    block_m = block_m or (128 if block_r >= 32 and K <= 8192 else 64)
+    block_m = block_m or weight_grad_block_m(block_r, K)
     k_tiles, r_tiles = cdiv(K, block_k), cdiv(R, block_r)
     if split is None:
         # Split the token dimension only as far as needed to give every SM two programs. One program

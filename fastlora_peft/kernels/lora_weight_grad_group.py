@@ -1,0 +1,401 @@
+"""``lora_weight_grads(lefts, xs, scales, k_major, out_dtype)``: a Function's weight gradients
+``scale_i * lefts[i].T @ xs[i]`` (each summed over the same M tokens) in as few launches as their
+shapes allow.
+
+A projection's backward makes dA (`grad_xa` against x) and dB (`xa` against dY); a q/k/v group makes
+dA of all three in one pass and a dB per member: four `lora_weight_grad` launches, each costing a
+launch's host time in blocks that are host-bound (docs/benchmarks.md). Here the gradients whose
+tiles `lora_weight_grad` would launch alike (same rank, rank tile, row tile and activation dtype, the
+lefts of one set of strides) run as one launch of a grouped kernel: o_proj's dA and dB, q/k/v's three
+dB, the MLP's gate and up dB. Each program of the grouped kernel picks its problem from its column
+tile (problem 0's tiles first) and then runs `lora_weight_grad`'s loop for that tile; the token
+splits are chosen once for all the group's tiles. A gradient with no partner (q/k/v's dA, of rank 3r)
+takes `lora_weight_grad`'s own kernel.
+
+A `torch.library` custom op with a fake; on the CPU outside the interpreter it runs
+``lora_terms_reference.lora_weight_grad`` per problem.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlora_peft.kernels import lora_terms_reference as reference
+from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _rank_block
+from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
+from fastlora_peft.kernels.lora_weight_grad import (
+    _MIN_ROWS_PER_SPLIT,
+    _check_weight_grad,
+    _lora_weight_grad_triton,
+    weight_grad_block_m,
+)
+from fastlora_peft.kernels.split_sum import split_scratch, split_total
+
+# A q/k/v group's dA and three dB: the most one call of the fused Functions asks for.
+MAX_PROBLEMS = 4
+
+
+class WeightGradGroupSettings:
+    """Whether `lora_weight_grads` groups launches (read at every call). False launches
+    `lora_weight_grad`'s kernel per gradient (tests, `plans_ab --switch wgrad`)."""
+
+    enabled = True
+
+
+# The output strides and the K sizes differ between a group's problems (dA [R, K] row-major beside a
+# K-major dB), and a problem's value is picked at run time: Triton must not turn a 1 among them into a
+# constant, or the branches that pick them would disagree on its type. The inputs' strides stay
+# specialized: x's unit column stride is what lets its loads vectorize (the launcher groups only such x).
+_UNSPECIALIZED = [f"{name}{i}" for name in ("K", "stride_or", "stride_ok") for i in range(MAX_PROBLEMS)]
+
+
+@CachedKernel
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
+def _lora_weight_grad_group_kernel(
+    Left0_ptr, Left1_ptr, Left2_ptr, Left3_ptr, X0_ptr, X1_ptr, X2_ptr, X3_ptr,
+    Out0_ptr, Out1_ptr, Out2_ptr, Out3_ptr, Partial_ptr, Counter_ptr,
+    M, R, K0, K1, K2, K3, scale0, scale1, scale2, scale3, rows_per_split, n_splits,
+    stride_lr, stride_xm0, stride_xm1, stride_xm2, stride_xm3,
+    stride_or0, stride_ok0, stride_or1, stride_ok1, stride_or2, stride_ok2, stride_or3, stride_ok3,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr, PROBLEMS: tl.constexpr,
+):  # fmt: skip
+    """Out_i[R, K_i] = scale_i * Left_i[M, R]^T @ X_i[M, K_i] for i < PROBLEMS (slots past PROBLEMS are
+    not read), in Out_i's dtype and strides. Left_i token-major (unit token stride) with one rank
+    stride; X_i with unit column stride.
+
+    Programs (column tile over every problem's tiles, split, rank tile), as in `lora_weight_grad`'s
+    kernel; problem i's fp32 split partials start at n_splits * R * (K_0 + ... + K_{i-1}), and each
+    tile's counter is its program's (column tile, rank tile), unique across problems.
+    """
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    tiles0 = tl.cdiv(K0, BLOCK_K)
+    tiles1 = tl.cdiv(K1, BLOCK_K) if PROBLEMS > 1 else 0
+    tiles2 = tl.cdiv(K2, BLOCK_K) if PROBLEMS > 2 else 0
+    # The problem's pointers and numbers are picked first, so one loop (one set of pipeline buffers)
+    # serves every problem, as in lora_addmm_group.
+    if pid_k < tiles0:
+        Left_ptr, X_ptr, Out_ptr, K, scale = Left0_ptr, X0_ptr, Out0_ptr, K0, scale0
+        local_k, k_before = pid_k, 0
+        stride_xm, stride_or, stride_ok = stride_xm0, stride_or0, stride_ok0
+    elif pid_k < tiles0 + tiles1:
+        Left_ptr, X_ptr, Out_ptr, K, scale = Left1_ptr, X1_ptr, Out1_ptr, K1, scale1
+        local_k, k_before = pid_k - tiles0, K0
+        stride_xm, stride_or, stride_ok = stride_xm1, stride_or1, stride_ok1
+    elif pid_k < tiles0 + tiles1 + tiles2:
+        Left_ptr, X_ptr, Out_ptr, K, scale = Left2_ptr, X2_ptr, Out2_ptr, K2, scale2
+        local_k, k_before = pid_k - tiles0 - tiles1, K0 + K1
+        stride_xm, stride_or, stride_ok = stride_xm2, stride_or2, stride_ok2
+    else:
+        Left_ptr, X_ptr, Out_ptr, K, scale = Left3_ptr, X3_ptr, Out3_ptr, K3, scale3
+        local_k, k_before = pid_k - tiles0 - tiles1 - tiles2, K0 + K1 + K2
+        stride_xm, stride_or, stride_ok = stride_xm3, stride_or3, stride_ok3
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = local_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_r = offs_r < R
+    mask_k = offs_k < K
+    m_start = pid_s * rows_per_split
+    m_end = tl.minimum(m_start + rows_per_split, M)
+    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + offs_m
+        mask_m = rows < m_end
+        rows = rows.to(tl.int64)
+        # Out^T = X^T @ Left with the activation as tl.dot's first operand (see lora_weight_grad).
+        x_t_ptrs = X_ptr + offs_k[:, None] + rows[None, :] * stride_xm
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        left_ptrs = Left_ptr + rows[:, None] + offs_r[None, :] * stride_lr
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        acc = activation_dot(x_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
+    offsets = offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
+    mask = mask_k[:, None] & mask_r[None, :]
+    if SPLIT:
+        partials = Partial_ptr + n_splits * R * k_before
+        counter_ptr = Counter_ptr + pid_k * tl.num_programs(2) + pid_r
+        is_last, total = split_total(acc, partials, offsets, mask, pid_s, n_splits, R * K, counter_ptr)
+        if is_last:
+            tl.store(Out_ptr + offsets, (scale * total).to(Out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, (scale * acc).to(Out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers. Callers have checked shapes, dtypes and devices; lefts are token-major (unit token stride).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _new_out(
+    rank: int, columns: int, k_major: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[rank, columns] of `dtype`: row-major, or with k_major its transpose contiguous (strides (1, rank))."""
+    if k_major:
+        return torch.empty((columns, rank), dtype=dtype, device=device).T
+    return torch.empty((rank, columns), dtype=dtype, device=device)
+
+
+def _slots(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernel's MAX_PROBLEMS tensor slots: slots past the problems repeat the first (never read)."""
+    return [*tensors, *[tensors[0]] * (MAX_PROBLEMS - len(tensors))]
+
+
+class _GroupLaunch(NamedTuple):
+    """One launch of the grouped kernel, to launch the same again with new tensors and scales."""
+
+    members: tuple[int, ...]  # the call's problems it computes
+    launch: BoundLaunch
+    numbers: tuple  # its scalar arguments; the scales at _SCALES
+    scratch: Optional[tuple[int, int]]  # split_scratch's sizes when it splits the tokens
+
+    def __call__(self, lefts, xs, scales, outs) -> None:
+        pick = self.members
+        numbers = (
+            *self.numbers[: _SCALES.start],
+            *_scale_slots([scales[i] for i in pick]),
+            *self.numbers[_SCALES.stop :],
+        )
+        group_outs = [outs[i] for i in pick]
+        device = group_outs[0].device
+        partial, counters = split_scratch(device, *self.scratch) if self.scratch else (outs[pick[0]],) * 2
+        self.launch(
+            *_slots([lefts[i] for i in pick]), *_slots([xs[i] for i in pick]), *_slots(group_outs),
+            partial, counters, *numbers,
+        )  # fmt: skip
+
+
+_SCALES = slice(2 + MAX_PROBLEMS, 2 + 2 * MAX_PROBLEMS)  # after M, R and the K_i
+
+
+def _scale_slots(scales: Sequence[float]) -> list[float]:
+    return [*map(float, scales), *[0.0] * (MAX_PROBLEMS - len(scales))]
+
+
+def _launch_group(
+    lefts: Sequence[torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    outs: Sequence[torch.Tensor],
+    *,
+    split: int | None = None,
+    block_k: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> Optional[tuple[BoundLaunch, tuple, Optional[tuple[int, int]]]]:
+    """One launch of the grouped kernel for 1 to MAX_PROBLEMS problems of one rank, into `outs`.
+
+    Returns (bound launch, its scalar arguments, its scratch sizes), or None when interpreted. The
+    tiles are `_lora_weight_grad_triton`'s for each problem (`launch_groups` groups only problems it
+    tiles alike); the token splits give every SM two programs over all the group's tiles (keyword
+    arguments: tests' smaller tiles and forced splits)."""
+    M, R = lefts[0].shape
+    widths = [x.shape[1] for x in xs]
+    block_r = _rank_block(R, cap=64)
+    block_m = weight_grad_block_m(block_r, widths[0])
+    k_tiles = sum(cdiv(width, block_k) for width in widths)
+    r_tiles = cdiv(R, block_r)
+    if split is None:
+        split = min(cdiv(2 * _num_sms(xs[0].device), k_tiles * r_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+    rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
+    split = cdiv(M, rows_per_split)  # no empty splits
+    scratch = (split * R * sum(widths), k_tiles * r_tiles) if split > 1 else None
+    partial, counters = split_scratch(xs[0].device, *scratch) if scratch else (outs[0], outs[0])
+    pad = [0] * (MAX_PROBLEMS - len(xs))
+    numbers = (
+        M, R, *widths, *pad, *_scale_slots(scales), rows_per_split, split, lefts[0].stride(1),
+        *[x.stride(0) for x in xs], *pad, *[stride for out in outs for stride in out.stride()], *pad, *pad,
+    )  # fmt: skip
+    bound = _lora_weight_grad_group_kernel[(k_tiles, split, r_tiles)](
+        *_slots(lefts), *_slots(xs), *_slots(outs), partial, counters, *numbers,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(lefts[0].dtype, xs[0].dtype), DOT_MODE=dot_mode(xs[0], lefts[0]),
+        SPLIT=split > 1, PROBLEMS=len(xs), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return None if bound is None else (bound, numbers, scratch)
+
+
+def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """The problems' indices by launch: those `lora_weight_grad` would tile alike (rank, rank and row
+    tiles, activation dtype, unit column stride) with lefts of one rank stride, in order, at most
+    MAX_PROBLEMS per launch; any other problem alone: every problem with no tokens, rank or columns
+    (lora_weight_grad answers with zeros), and an x whose row stride is 1 (Triton would make that
+    stride a constant, which the kernel's per-problem pick of it cannot take)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, (left, x) in enumerate(zip(lefts, xs)):
+        (rows, rank), width = left.shape, x.shape[1]
+        key: tuple = (index,)
+        if (
+            WeightGradGroupSettings.enabled
+            and x.stride(1) == 1
+            and x.stride(0) != 1
+            and rows * rank * width > 0
+        ):
+            key = (rank, weight_grad_block_m(_rank_block(rank, cap=64), width), x.dtype, left.stride(1))
+        groups.setdefault(key, []).append(index)
+    launches = []
+    for members in groups.values():
+        launches += [tuple(members[i : i + MAX_PROBLEMS]) for i in range(0, len(members), MAX_PROBLEMS)]
+    return launches
+
+
+def _lora_weight_grads_triton(
+    lefts: Sequence[torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    k_major: Sequence[bool],
+    out_dtype: torch.dtype,
+    plan_key: Optional[tuple] = None,
+) -> list[torch.Tensor]:
+    copied = tuple(left.stride(0) != 1 for left in lefts)  # token-major, as lora_weight_grad wants it
+    lefts = [left.T.contiguous().T if copy else left for left, copy in zip(lefts, copied)]
+    device = xs[0].device
+    outs = [
+        _new_out(left.shape[1], x.shape[1], km, out_dtype, device) for left, x, km in zip(lefts, xs, k_major)
+    ]
+    steps: list = []  # per launch: a problem's index (lora_weight_grad's kernel and plan), or a _GroupLaunch
+    for members in launch_groups(lefts, xs):
+        if len(members) == 1:
+            (i,) = members
+            outs[i] = _lora_weight_grad_triton(
+                left=lefts[i], x=xs[i], scale=scales[i], k_major=k_major[i], out_dtype=out_dtype
+            )
+            steps.append(i)
+            continue
+        pick = [lefts[i] for i in members], [xs[i] for i in members], [scales[i] for i in members]
+        launched = _launch_group(*pick, [outs[i] for i in members])
+        steps.append(None if launched is None else _GroupLaunch(members, *launched))
+    if plan_key is not None and None not in steps:
+        _GROUP_PLANS.add(plan_key, _GroupPlan(copied, tuple(k_major), out_dtype, device, tuple(steps)))
+    return outs
+
+
+class _GroupPlan(NamedTuple):
+    """What `_lora_weight_grads_triton` derived from its inputs' metadata, to launch the same again."""
+
+    copy_left: tuple[bool, ...]  # each left copied token-major first
+    k_major: tuple[bool, ...]
+    out_dtype: torch.dtype
+    device: torch.device
+    steps: tuple  # see _lora_weight_grads_triton
+
+
+_GROUP_PLANS = LaunchPlans("lora_weight_grads")
+
+
+def _run_group_plan(plan: _GroupPlan, lefts, xs, scales) -> list[torch.Tensor]:
+    lefts = [left.T.contiguous().T if copy else left for left, copy in zip(lefts, plan.copy_left)]
+    outs = [
+        _new_out(left.shape[1], x.shape[1], km, plan.out_dtype, plan.device)
+        for left, x, km in zip(lefts, xs, plan.k_major)
+    ]
+    for step in plan.steps:
+        if type(step) is int:
+            outs[step] = _lora_weight_grad_triton(
+                left=lefts[step],
+                x=xs[step],
+                scale=scales[step],
+                k_major=plan.k_major[step],
+                out_dtype=plan.out_dtype,
+            )
+        else:
+            step(lefts, xs, scales, outs)
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public op: checks, dispatch, fake implementation. The body looks its launch plan up before its
+# checks (lora_terms' `_PLANS_SKIP_CHECKS`).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_weight_grads(lefts, xs, scales, k_major) -> None:
+    op = "lora_weight_grads"
+    if not len(lefts) == len(xs) == len(scales) == len(k_major) or not lefts:
+        raise ValueError(
+            f"{op}: needs one x, scale and k_major per left, at least one; got {len(lefts)} lefts, "
+            f"{len(xs)} xs, {len(scales)} scales and {len(k_major)} k_major"
+        )
+    for left, x in zip(lefts, xs):
+        _check_weight_grad(left, x)
+        if left.shape[0] != lefts[0].shape[0]:
+            raise ValueError(f"{op}: every left must be [M, R_i] with lefts[0]'s M, got {list(left.shape)}")
+    tensors = {**{f"left{i}": t for i, t in enumerate(lefts)}, **{f"x{i}": t for i, t in enumerate(xs)}}
+    _check_devices(op, **tensors)
+
+
+def lora_weight_grads(
+    lefts: Sequence[torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    k_major: Sequence[bool],
+    out_dtype: Optional[torch.dtype] = None,
+) -> list[torch.Tensor]:
+    """``[scales[i] * lefts[i].T @ xs[i] for i]``: `fastlora::lora_weight_grads` (see
+    `_lora_weight_grads_body`)."""
+    if skips_op_dispatch(*lefts, *xs):
+        return _lora_weight_grads_body(lefts, xs, scales, k_major, out_dtype)
+    return lora_weight_grads_op(list(lefts), list(xs), list(scales), list(k_major), out_dtype)
+
+
+def _lora_weight_grads_body(
+    lefts: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    scales: list[float],
+    k_major: list[bool],
+    out_dtype: Optional[torch.dtype] = None,
+) -> list[torch.Tensor]:
+    """`lora_weight_grad(lefts[i], xs[i], scales[i], k_major[i], out_dtype)` for every i, the same
+    numbers (fp32 sums over the M tokens, deterministic, rounded once to `out_dtype`), in as few
+    launches as `launch_groups` allows.
+
+    lefts[i]: [M, R_i] float32 (one M for all); xs[i]: [M, K_i], any float dtype and strides. Returns
+    [R_i, K_i] tensors, contiguous, or with k_major[i] their transposes contiguous.
+    """
+    if xs and _GROUP_PLANS.serve(xs[0]):  # see lora_terms' `_PLANS_SKIP_CHECKS`
+        enabled = WeightGradGroupSettings.enabled
+        plan_key = _GROUP_PLANS.key(*lefts, *xs, tuple(k_major), out_dtype or torch.float32, enabled)
+        plan = _GROUP_PLANS.get(plan_key)
+        if plan is not None:
+            return _run_group_plan(plan, lefts, xs, scales)
+    else:
+        plan_key = None
+    _check_weight_grads(lefts, xs, scales, k_major)
+    if runs_triton(xs[0]):
+        return _lora_weight_grads_triton(lefts, xs, scales, k_major, out_dtype or torch.float32, plan_key)
+    outs = []
+    for left, x, scale, km in zip(lefts, xs, scales, k_major):
+        result = reference.lora_weight_grad(left, x, scale)
+        result = result if out_dtype is None else result.to(out_dtype)
+        outs.append(result.T.contiguous().T if km else result.contiguous())
+    return outs
+
+
+lora_weight_grads_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_weight_grads", _lora_weight_grads_body, mutates_args=()
+)
+
+
+@lora_weight_grads_op.register_fake
+def _(
+    lefts: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    scales: list[float],
+    k_major: list[bool],
+    out_dtype: Optional[torch.dtype] = None,
+) -> list[torch.Tensor]:
+    _check_weight_grads(lefts, xs, scales, k_major)
+    outs = []
+    for left, x, km in zip(lefts, xs, k_major):
+        rank, features, dtype = left.shape[1], x.shape[1], out_dtype or left.dtype
+        out = (
+            x.new_empty((features, rank), dtype=dtype).T if km else x.new_empty((rank, features), dtype=dtype)
+        )
+        outs.append(out)
+    return outs

@@ -1,0 +1,264 @@
+"""`lora_weight_grads`: a Function's weight gradients in as few launches as their shapes allow.
+
+The grouped kernel against float64 under the interpreter (2-4 problems, ragged column tiles, split
+tokens, K-major and row-major outputs, a scale each); which problems share a launch, and that a
+grouped launch computes bit for bit what `lora_weight_grad`'s kernel does per problem; the reference
+path, checks, opcheck and the fake; its launch plan; and the fused Functions: o_proj's dA and dB in
+one launch, q/k/v's three dB in one, in every layout against float64, PEFT's sub-layers never called.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, rel_err
+from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  # noqa: F401
+
+from fastlora_peft.dtypes import plan_projection_dtypes
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materialize_weight
+from fastlora_peft.functions.shared_input import fused_lora_projections
+from fastlora_peft.kernels import _launch
+from fastlora_peft.kernels import lora_weight_grad as single_module
+from fastlora_peft.kernels import lora_weight_grad_group as group_module
+from fastlora_peft.kernels.lora_weight_grad_group import (
+    MAX_PROBLEMS,
+    WeightGradGroupSettings,
+    launch_groups,
+    lora_weight_grads,
+    lora_weight_grads_op,
+)
+
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+needs_triton = pytest.mark.skipif(
+    not (TRITON_INTERPRET or torch.cuda.is_available()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _problems(m, shapes, x_dtype, seed=0):
+    """Per (rank, columns): a token-major fp32 left [m, rank] (as lora_shrink hands it out), an x [m,
+    columns] of x_dtype, and a scale of its own."""
+    generator = torch.Generator().manual_seed(seed)
+    lefts = [torch.randn(rank, m, generator=generator).T.to(DEVICE) for rank, _ in shapes]
+    xs = [torch.randn(m, columns, generator=generator).to(DEVICE, x_dtype) for _, columns in shapes]
+    scales = [0.5 + i for i in range(len(shapes))]
+    return lefts, xs, scales
+
+
+def _truth(left, x, scale):
+    return scale * (left.double().T @ x.double())
+
+
+# (tokens, [(rank, columns) per problem], K-major per problem): o_proj's dA and dB, q/k/v's three dB
+# (ragged: columns not a multiple of the 16-wide test tile), four problems, ranks that are no tile.
+GROUP_CASES = [
+    (37, [(5, 40), (5, 33)], [False, True]),
+    (70, [(4, 48), (4, 19), (4, 17)], [True, True, True]),
+    (29, [(6, 16), (6, 50), (6, 7), (6, 33)], [False, True, False, True]),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("x_dtype, out_dtype", [(BF16, FP32), (BF16, BF16), (FP16, FP16), (FP32, FP32)])
+@pytest.mark.parametrize("case", GROUP_CASES, ids=str)
+def test_grouped_kernel_matches_float64(case, x_dtype, out_dtype, split):
+    m, shapes, k_major = case
+    lefts, xs, scales = _problems(m, shapes, x_dtype)
+    outs = [group_module._new_out(r, k, km, out_dtype, DEVICE) for (r, k), km in zip(shapes, k_major)]
+    # 16-wide column tiles and 16-row steps: several tiles per problem, several steps per split.
+    group_module._launch_group(lefts, xs, scales, outs, split=split, block_k=16)
+    tolerance = 1e-5 if out_dtype == FP32 else 1e-2
+    for left, x, scale, out, km in zip(lefts, xs, scales, outs, k_major):
+        assert out.dtype == out_dtype and out.T.is_contiguous() == km
+        assert rel_err(out, _truth(left, x, scale)) < tolerance
+
+
+@pytest.mark.parametrize(
+    "shapes, expected",
+    [
+        ([(16, 64), (16, 64)], [(0, 1)]),  # o_proj: dA and dB
+        ([(48, 64), (16, 64), (16, 32), (16, 32)], [(0,), (1, 2, 3)]),  # q/k/v: dA of rank 3r alone
+        ([(8, 64)] * 5, [(0, 1, 2, 3), (4,)]),  # at most MAX_PROBLEMS a launch
+        ([(32, 64), (32, 9000)], [(0,), (1,)]),  # rank 32: 128-row steps up to 8192 columns, 64 past
+        ([(16, 64), (16, 0), (16, 64)], [(0, 2), (1,)]),  # no columns: lora_weight_grad's zeros
+        ([(16, 64), (16, 1)], [(0,), (1,)]),  # a row stride of 1
+    ],
+)
+def test_launch_groups_joins_what_lora_weight_grad_tiles_alike(shapes, expected):
+    lefts, xs, _ = _problems(9, shapes, BF16)
+    assert launch_groups(lefts, xs) == expected
+
+
+def test_launch_groups_keeps_other_layouts_and_dtypes_apart(monkeypatch):
+    lefts, xs, _ = _problems(9, [(16, 64)] * 4, BF16)
+    xs[1] = xs[1].to(FP16)  # another activation dtype
+    xs[2] = xs[2].T.contiguous().T  # columns not contiguous
+    lefts[3] = torch.randn(16, 2 * 9)[:, :9].T  # a left of another rank stride (18, not 9)
+    assert launch_groups(lefts, xs) == [(0,), (1,), (2,), (3,)]
+    lefts, xs, _ = _problems(9, [(16, 64)] * 2, BF16)
+    monkeypatch.setattr(WeightGradGroupSettings, "enabled", False)
+    assert launch_groups(lefts, xs) == [(0,), (1,)]
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [FP32, BF16])
+def test_grouped_launch_computes_what_lora_weight_grad_does(out_dtype, triton_launches, monkeypatch):
+    """q/k/v's four gradients: dA (rank 3r) through lora_weight_grad's kernel, the three dB through
+    one grouped launch, bit for bit what lora_weight_grad's kernel gives each alone (the same tiles,
+    steps and sums); with the setting off, four of lora_weight_grad's launches."""
+    lefts, xs, scales = _problems(45, [(12, 40), (4, 40), (4, 24), (4, 24)], BF16)
+    lefts[0] = lefts[0].contiguous()  # row-major: copied token-major inside, as lora_weight_grad does
+    k_major = [False, True, True, True]
+    grouped = lora_weight_grads(lefts, xs, scales, k_major, out_dtype)
+    assert dict(triton_launches) == {"_lora_weight_grad_kernel": 1, "_lora_weight_grad_group_kernel": 1}
+    triton_launches.clear()
+    monkeypatch.setattr(WeightGradGroupSettings, "enabled", False)
+    alone = lora_weight_grads(lefts, xs, scales, k_major, out_dtype)
+    assert dict(triton_launches) == {"_lora_weight_grad_kernel": 4}
+    for got, want, left, x, scale in zip(grouped, alone, lefts, xs, scales):
+        assert got.stride() == want.stride() and got.dtype == want.dtype == out_dtype
+        assert torch.equal(got, want)
+        assert rel_err(got, _truth(left, x, scale)) < (1e-5 if out_dtype == FP32 else 1e-2)
+
+
+def test_reference_path_matches_lora_weight_grad():
+    # float64 runs the reference everywhere (gradcheck); plain CPU tensors do outside the interpreter.
+    generator = torch.Generator().manual_seed(3)
+    lefts = [torch.randn(11, r, generator=generator, dtype=FP64) for r in (3, 5)]
+    xs = [torch.randn(11, k, generator=generator, dtype=FP64) for k in (7, 4)]
+    outs = lora_weight_grads(lefts, xs, [0.5, -2.0], [False, True])
+    for out, left, x, scale, km in zip(outs, lefts, xs, [0.5, -2.0], [False, True]):
+        want = single_module.lora_weight_grad(left, x, scale, k_major=km)
+        assert out.dtype == FP64 and out.stride() == want.stride() and torch.equal(out, want)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda lefts, xs: (lefts[:1], xs, [1.0, 1.0], [False, False]), "one x, scale and k_major per left"),
+        (lambda lefts, xs: ([], [], [], []), "at least one"),
+        (
+            lambda lefts, xs: ([lefts[0], lefts[1][:5]], [xs[0], xs[1][:5]], [1.0] * 2, [False] * 2),
+            "lefts\\[0\\]'s M",
+        ),
+        (lambda lefts, xs: ([lefts[0].to(BF16), lefts[1]], xs, [1.0, 1.0], [False, False]), "float32"),
+        (
+            lambda lefts, xs: (lefts, [xs[0], xs[1][:5]], [1.0, 1.0], [False, False]),
+            "M \\(left.shape\\[0\\]\\)",
+        ),
+    ],
+)
+def test_checks(make, message):
+    lefts, xs, _ = _problems(9, [(4, 8), (4, 8)], FP32)
+    with pytest.raises(ValueError, match=message):
+        lora_weight_grads(*make(lefts, xs))
+
+
+def test_opcheck():
+    lefts, xs, scales = _problems(9, [(4, 8), (3, 5)], FP32)
+    torch.library.opcheck(lora_weight_grads_op, (lefts, xs, scales, [False, True], FP32))
+    torch.library.opcheck(lora_weight_grads_op, (lefts, xs, scales, [True, False], None))
+
+
+def test_group_plan_launches_what_the_launcher_would(recorded_launches):  # noqa: F811
+    """q/k/v's four gradients: call 1 makes the plan (two launches: lora_weight_grad's, the group's),
+    call 2 launches both from it with its own tensors and scales, call 3 (plans off) must launch the
+    same arguments."""
+
+    def make_inputs(seed):
+        lefts, xs, scales = _problems(600, [(12, 40), (4, 40), (4, 24), (4, 24)], BF16, seed)
+        return lefts, xs, [scale + seed for scale in scales], [False, True, True, True], BF16
+
+    group_module._lora_weight_grads_body(*make_inputs(0))
+    assert len(recorded_launches) == 2 and len(_THROUGH_CACHE) == 2
+    second = make_inputs(1)
+    group_module._lora_weight_grads_body(*second)
+    assert len(recorded_launches) == 4 and len(_THROUGH_CACHE) == 2, "call 2 did not launch from its plan"
+    _launch.LaunchPlans.enabled = False
+    try:
+        group_module._lora_weight_grads_body(*second)
+    finally:
+        _launch.LaunchPlans.enabled = True
+    inputs = [*second[0], *second[1]]
+    for planned, unplanned in zip(recorded_launches[2:4], recorded_launches[4:6]):
+        _same_launch(planned, unplanned, inputs)
+    floats = [value for value in recorded_launches[3] if type(value) is float]
+    assert floats[:MAX_PROBLEMS] == [2.5, 3.5, 4.5, 0.0]  # call 2's own scales (the three dB)
+
+
+def _projections(shapes, layout, seed=0):
+    dtype, adapter_dtype, quantized = layout
+    generator = torch.Generator().manual_seed(seed)
+    bases, loras = [], []
+    for rank, (in_features, out_features) in zip((4, 4, 4), shapes):
+        weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+        base = FrozenBase(weight, None, None)
+        if quantized:
+            import bitsandbytes.functional as bnb_functional
+
+            from fastlora_peft.kernels.dequant4bit import Quant4bitState
+
+            packed, state = bnb_functional.quantize_4bit(
+                weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+            )
+            base = FrozenBase(packed, None, Quant4bitState.from_bnb(state, packed))
+        lora_a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+        lora_b = torch.randn(out_features, rank, generator=generator)  # not zero: a zero B hides dA
+        loras.append(
+            LoraWeights(
+                lora_a.to(adapter_dtype).requires_grad_(), lora_b.to(adapter_dtype).requires_grad_(), 0.75
+            )
+        )
+        bases.append(base)
+    return bases, loras
+
+
+def _float64_grads(x, bases, loras, grads, plan):
+    """Every adapter gradient of the projections in float64, on the weights the fused path reads."""
+    x64 = x.detach().double()
+    params = []
+    for lora in loras:
+        params += [
+            lora.lora_a.detach().double().requires_grad_(),
+            lora.lora_b.detach().double().requires_grad_(),
+        ]
+    outs = []
+    for index, (base, lora) in enumerate(zip(bases, loras)):
+        weight = materialize_weight(base, plan.compute_dtype).double()
+        a, b = params[2 * index], params[2 * index + 1]
+        outs.append(x64 @ weight.T + lora.scale * (x64 @ a.T) @ b.T)
+    torch.autograd.backward(outs, [grad.double() for grad in grads])
+    return [param.grad for param in params]
+
+
+@needs_triton
+@pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
+@pytest.mark.parametrize("case", ["o", "qkv"])
+def test_fused_projections_take_their_weight_grads_grouped(case, layout_id, triton_launches):
+    """o_proj's dA and dB in one launch, q/k/v's three dB in one (dA of the three in another), every
+    adapter gradient against float64 in every layout the fused path takes."""
+    layout = FUNCTION_LAYOUTS[layout_id]
+    shapes = [(64, 64)] if case == "o" else [(64, 64), (64, 128), (64, 128)]
+    bases, loras = _projections(shapes, layout)
+    x = torch.randn(2, 9, 64).to(layout[0]).requires_grad_()
+    plan = plan_projection_dtypes(layout[0], layout[0], quantized=layout[2], device_type="cpu")
+    outputs = fused_lora_projections(x, bases, loras, plan)
+    grads = [torch.randn_like(out) for out in outputs]
+    triton_launches.clear()
+    torch.autograd.backward(outputs, grads)
+    want = {
+        "o": {"_lora_weight_grad_group_kernel": 1},
+        "qkv": {"_lora_weight_grad_group_kernel": 1, "_lora_weight_grad_kernel": 1},
+    }
+    assert {k: v for k, v in triton_launches.items() if "weight_grad" in k} == want[case]
+    truths = _float64_grads(
+        x.reshape(-1, 64), bases, loras, [g.reshape(-1, g.shape[-1]) for g in grads], plan
+    )
+    got = [grad for lora in loras for grad in (lora.lora_a.grad, lora.lora_b.grad)]
+    # fp32 adapters: fp32 sums of exact 16-bit products (PEFT's fp32 path gets ~1e-7 here); 16-bit
+    # adapters: one rounding of the gradient.
+    tolerance = 1e-5 if layout[1] == FP32 else (1e-2 if layout[1] == BF16 else 2e-3)
+    for value, truth in zip(got, truths):
+        assert value.dtype == layout[1]
+        assert rel_err(value, truth) < tolerance
