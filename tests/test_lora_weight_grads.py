@@ -161,10 +161,11 @@ def test_opcheck():
     torch.library.opcheck(lora_weight_grads_op, (lefts, xs, scales, [True, False], None))
 
 
-def test_group_plan_launches_what_the_launcher_would(recorded_launches):  # noqa: F811
+def test_group_plan_launches_what_the_launcher_would(recorded_launches, monkeypatch):  # noqa: F811
     """q/k/v's four gradients: call 1 makes the plan (two launches: lora_weight_grad's, the group's),
     call 2 launches both from it with its own tensors and scales, call 3 (plans off) must launch the
-    same arguments."""
+    same arguments. (The op body, whose plan it is: on CPU tensors it is told they run Triton.)"""
+    monkeypatch.setattr(group_module, "runs_triton", lambda tensor: True)
 
     def make_inputs(seed):
         lefts, xs, scales = _problems(600, [(12, 40), (4, 40), (4, 24), (4, 24)], BF16, seed)
