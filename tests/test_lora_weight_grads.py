@@ -66,8 +66,8 @@ def test_grouped_kernel_matches_float64(case, x_dtype, out_dtype, split):
     m, shapes, k_major = case
     lefts, xs, scales = _problems(m, shapes, x_dtype)
     outs = [group_module._new_out(r, k, km, out_dtype, DEVICE) for (r, k), km in zip(shapes, k_major)]
-    # 16-wide column tiles and 16-row steps: several tiles per problem, several steps per split.
-    group_module._launch_group(lefts, xs, scales, outs, split=split, block_k=16)
+    # 16-wide column tiles and 8-row steps: several tiles per problem, several steps per split.
+    group_module._launch_group(lefts, xs, scales, outs, split=split, block_m=8, block_k=16)
     tolerance = 1e-5 if out_dtype == FP32 else 1e-2
     for left, x, scale, out, km in zip(lefts, xs, scales, outs, k_major):
         assert out.dtype == out_dtype and out.T.is_contiguous() == km

@@ -185,6 +185,7 @@ def _launch_group(
     outs: Sequence[torch.Tensor],
     *,
     split: int | None = None,
+    block_m: int | None = None,
     block_k: int = 128,
     num_warps: int = 8,
     num_stages: int = 3,
@@ -198,7 +199,7 @@ def _launch_group(
     M, R = lefts[0].shape
     widths = [x.shape[1] for x in xs]
     block_r = _rank_block(R, cap=64)
-    block_m = weight_grad_block_m(block_r, widths[0])
+    block_m = block_m or weight_grad_block_m(block_r, widths[0])
     k_tiles = sum(cdiv(width, block_k) for width in widths)
     r_tiles = cdiv(R, block_r)
     if split is None:
