@@ -74,6 +74,31 @@ def test_grouped_kernel_matches_float64(case, x_dtype, out_dtype, split):
         assert rel_err(out, _truth(left, x, scale)) < tolerance
 
 
+@needs_triton
+def test_each_problem_keeps_its_split_partials_apart():
+    """On a GPU the programs of all problems run at once, so each problem's fp32 split partials must
+    have memory of their own: problem i's split s at n_splits * R * (K_0 + ... + K_{i-1}) + s * R * K_i,
+    laid out like its output. (The interpreter runs a tile's splits one after another, so results alone
+    cannot show two problems sharing partials.)"""
+    from fastlora_peft.kernels.split_sum import split_scratch
+
+    m, shapes, k_major = GROUP_CASES[1]
+    lefts, xs, scales = _problems(m, shapes, BF16)
+    outs = [group_module._new_out(r, k, km, FP32, DEVICE) for (r, k), km in zip(shapes, k_major)]
+    launched = group_module._launch_group(lefts, xs, scales, outs, split=3, block_m=8, block_k=16)
+    rank, widths, rows_per_split = shapes[0][0], [k for _, k in shapes], 24  # 70 rows in 3 splits of 8s
+    partials = split_scratch(torch.device(DEVICE), 3 * rank * sum(widths), 1).partials
+    assert launched is None or launched[2] == (3 * rank * sum(widths), sum(-(-k // 16) for k in widths))
+    start = 0
+    for left, x, width, km in zip(lefts, xs, widths, k_major):
+        for split in range(3):
+            rows = slice(split * rows_per_split, (split + 1) * rows_per_split)
+            region = partials[start + split * rank * width : start + (split + 1) * rank * width]
+            got = region.view(width, rank).T if km else region.view(rank, width)
+            assert rel_err(got, left[rows].double().T @ x[rows].double()) < 1e-5
+        start += 3 * rank * width
+
+
 @pytest.mark.parametrize(
     "shapes, expected",
     [
