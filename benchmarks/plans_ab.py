@@ -1,7 +1,7 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group] [--tokens 8192] [--blocks o,qkv,mlp]
-    [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
+python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad] [--tokens 8192]
+    [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
 processes and machines, so a before/after of a switch is only readable inside one process: the same
@@ -33,6 +33,7 @@ from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels import lora_addmm
 from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
 
 from . import cases
 from .harness import Clock, Step, balanced_round_order, time_side_by_side
@@ -81,12 +82,19 @@ def set_group(enabled: bool) -> None:
     LoraAddmmSettings.group_forward = enabled
 
 
+def set_wgrad(enabled: bool) -> None:
+    """On: a Function's weight gradients that `lora_weight_grad` tiles alike in one launch
+    (`lora_weight_grads`); off: one `lora_weight_grad` launch per gradient."""
+    WeightGradGroupSettings.enabled = enabled
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "plans": set_plans,
     "augmented": set_augmented,
     "addmm": set_addmm,
     "sum": set_sum,
     "group": set_group,
+    "wgrad": set_wgrad,
 }
 
 
@@ -97,12 +105,14 @@ def library_defaults() -> Callable[[], None]:
     the command without lora_addmm)."""
     plans, addmm_mode, min_tokens = LaunchPlans.enabled, LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens
     sum_members, group_forward = LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward
+    grouped_weight_grads = WeightGradGroupSettings.enabled
 
     def restore() -> None:
         LaunchPlans.enabled = plans
         library_rules()
         LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens = addmm_mode, min_tokens
         LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward = sum_members, group_forward
+        WeightGradGroupSettings.enabled = grouped_weight_grads
 
     return restore
 
