@@ -88,7 +88,7 @@ def test_each_problem_keeps_its_split_partials_apart():
     launched = group_module._launch_group(lefts, xs, scales, outs, split=3, block_m=8, block_k=16)
     rank, widths, rows_per_split = shapes[0][0], [k for _, k in shapes], 24  # 70 rows in 3 splits of 8s
     partials = split_scratch(torch.device(DEVICE), 3 * rank * sum(widths), 1).partials
-    assert launched is None or launched[2] == (3 * rank * sum(widths), sum(-(-k // 16) for k in widths))
+    assert launched is None or launched[3] == (3 * rank * sum(widths), sum(-(-k // 16) for k in widths))
     start = 0
     for left, x, width, km in zip(lefts, xs, widths, k_major):
         for split in range(3):
@@ -107,7 +107,7 @@ def test_each_problem_keeps_its_split_partials_apart():
         ([(8, 64)] * 5, [(0, 1, 2, 3), (4,)]),  # at most MAX_PROBLEMS a launch
         ([(32, 64), (32, 9000)], [(0,), (1,)]),  # rank 32: 128-row steps up to 8192 columns, 64 past
         ([(16, 64), (16, 0), (16, 64)], [(0, 2), (1,)]),  # no columns: lora_weight_grad's zeros
-        ([(16, 64), (16, 1)], [(0,), (1,)]),  # a row stride of 1
+        ([(16, 64), (16, 1)], [(0,), (1,)]),  # one column (K = 1, and a row stride of 1)
     ],
 )
 def test_launch_groups_joins_what_lora_weight_grad_tiles_alike(shapes, expected):
@@ -121,6 +121,9 @@ def test_launch_groups_keeps_other_layouts_and_dtypes_apart(monkeypatch):
     xs[2] = xs[2].T.contiguous().T  # columns not contiguous
     lefts[3] = torch.randn(16, 2 * 9)[:, :9].T  # a left of another rank stride (18, not 9)
     assert launch_groups(lefts, xs) == [(0,), (1,), (2,), (3,)]
+    lefts, xs, _ = _problems(9, [(16, 64)] * 2, BF16)
+    xs[1] = xs[1][:, 5:6]  # one column of a wider x: K = 1 with a row stride of 64
+    assert launch_groups(lefts, xs) == [(0,), (1,)]
     lefts, xs, _ = _problems(9, [(16, 64)] * 2, BF16)
     monkeypatch.setattr(WeightGradGroupSettings, "enabled", False)
     assert launch_groups(lefts, xs) == [(0,), (1,)]
@@ -288,3 +291,84 @@ def test_fused_projections_take_their_weight_grads_grouped(case, layout_id, trit
     for value, truth in zip(got, truths):
         assert value.dtype == layout[1]
         assert rel_err(value, truth) < tolerance
+
+
+# Compiles lora_weight_grad's kernel and the grouped kernel for an H100/H200 (sm_90) as launches at
+# Llama sizes specialize them (16-byte aligned pointers, sizes and strides multiples of 16; the
+# grouped kernel's unspecialized output strides, and the single kernel's output strides, one of which
+# is 1 at its launches, as plain ints), and prints each one's shared memory and its memory and MMA
+# instructions by kind. A subprocess: under TRITON_INTERPRET=1 `triton.jit` makes no compilable kernel.
+_SM90_COMPILE = r"""
+import collections
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastlora_peft.kernels import lora_weight_grad, lora_weight_grad_group
+from fastlora_peft.kernels.dots import SPLIT_DOT
+
+kernels = {
+    "single": lora_weight_grad._lora_weight_grad_kernel.kernel,
+    "group": lora_weight_grad_group._lora_weight_grad_group_kernel.kernel,
+}
+unspecialized = set(lora_weight_grad_group._UNSPECIALIZED)
+for block_r, block_m in ((16, 64), (64, 128)):
+    for name, fn in kernels.items():
+        constexprs = dict(
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128, DOT_PRECISION="tf32x3", DOT_MODE=SPLIT_DOT,
+            SPLIT=True,
+        )
+        constexprs.update(PROBLEMS=3) if name == "group" else constexprs.update(stride_xk=1, stride_lm=1)
+        names = fn.arg_names
+        def kind(arg):
+            if arg in constexprs:
+                return "constexpr"
+            if arg.startswith(("X", "Out")):
+                return "*bf16"
+            if arg.startswith("Counter"):
+                return "*i32"
+            return "*fp32" if arg.endswith("_ptr") else "fp32" if arg.startswith("scale") else "i32"
+        signature = {arg: kind(arg) for arg in names}
+        plain = ("stride_o", "rows_per_split", "n_splits")
+        divisible = [
+            i for i, arg in enumerate(names)
+            if signature[arg] not in ("constexpr", "fp32") and arg not in unspecialized
+            and not arg.startswith(plain)
+        ]
+        source = ASTSource(
+            fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+            attrs={(i,): [["tt.divisibility", 16]] for i in divisible},
+        )
+        options = dict(num_warps=8, num_stages=3)  # lora_weight_grad's launch
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        ops = collections.Counter()
+        for line in kernel.asm["ptx"].split("\n"):
+            words = line.strip().rstrip(";").split()
+            words = words[1:] if words and words[0].startswith("@") else words
+            if words and words[0].startswith(("cp.async", "ld.global", "st.global", "wgmma.mma_async")):
+                operands = " ".join(words[1:]).split(",")
+                size = operands[2].strip() if words[0].startswith(("cp.async.ca.", "cp.async.cg.")) else ""
+                ops[f"{words[0]} {size}".strip()] += 1
+        print(name, block_r, kernel.metadata.shared, dict(sorted(ops.items())))
+"""
+
+
+def test_grouped_kernel_compiles_to_lora_weight_grads_loads_and_dots_on_hopper():
+    """The grouped kernel's pick of a problem must not cost its loop anything on the GPU: for sm_90 it
+    compiles to the same shared memory and the same asynchronous copies (16-byte for x), loads, stores
+    and wgmma instructions as lora_weight_grad's kernel, at rank tiles 16 and 64."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = {}
+    for line in result.stdout.strip().split("\n"):
+        name, block_r, rest = line.split(" ", 2)
+        compiled[name, int(block_r)] = rest
+    for block_r in (16, 64):
+        assert compiled["group", block_r] == compiled["single", block_r]
+        assert "cp.async.cg.shared.global 0x10" in compiled["group", block_r]  # x in 16-byte copies

@@ -31,8 +31,11 @@ from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _rank_b
 from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
 from fastlora_peft.kernels.lora_weight_grad import (
     _MIN_ROWS_PER_SPLIT,
+    _WEIGHT_GRAD_PLANS,
     _check_weight_grad,
     _lora_weight_grad_triton,
+    _run_weight_grad_plan,
+    _weight_grad_plan_key,
     weight_grad_block_m,
 )
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
@@ -48,11 +51,14 @@ class WeightGradGroupSettings:
     enabled = True
 
 
-# The output strides and the K sizes differ between a group's problems (dA [R, K] row-major beside a
-# K-major dB), and a problem's value is picked at run time: Triton must not turn a 1 among them into a
-# constant, or the branches that pick them would disagree on its type. The inputs' strides stay
-# specialized: x's unit column stride is what lets its loads vectorize (the launcher groups only such x).
-_UNSPECIALIZED = [f"{name}{i}" for name in ("K", "stride_or", "stride_ok") for i in range(MAX_PROBLEMS)]
+# A problem's numbers are picked at run time, and Triton turns an int argument of 1 into a constant,
+# whose type the branches that pick it would then disagree on. The output strides differ in that way
+# between problems (dA [R, K] row-major beside a K-major dB) and are read once per tile, so they are
+# not specialized. The rest are, for what the specialization tells the compiler: with K and x's row
+# stride multiples of 16, x's masked loads become 16-byte asynchronous copies (unspecialized K took
+# them to 4-byte loads in an sm_90 compile); `launch_groups` keeps the problems where one would be 1
+# out of groups. `tests/test_lora_weight_grads.py` compiles both kernels for sm_90 and compares.
+_UNSPECIALIZED = [f"{name}{i}" for name in ("stride_or", "stride_ok") for i in range(MAX_PROBLEMS)]
 
 
 @CachedKernel
@@ -148,27 +154,41 @@ def _slots(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _GroupLaunch(NamedTuple):
-    """One launch of the grouped kernel, to launch the same again with new tensors and scales."""
+    """A plan's launch of the grouped kernel: the same again with new tensors and scales."""
 
     members: tuple[int, ...]  # the call's problems it computes
     launch: BoundLaunch
-    numbers: tuple  # its scalar arguments; the scales at _SCALES
+    head: tuple  # its scalar arguments before the scales (M, R, the K_i) ...
+    tail: tuple  # ... and after them
     scratch: Optional[tuple[int, int]]  # split_scratch's sizes when it splits the tokens
+    buffers: tuple  # per member: (buffer shape, k_major: the output is the buffer's transpose)
+    out_dtype: torch.dtype
+    device: torch.device
 
     def __call__(self, lefts, xs, scales, outs) -> None:
-        pick = self.members
-        numbers = (
-            *self.numbers[: _SCALES.start],
-            *_scale_slots([scales[i] for i in pick]),
-            *self.numbers[_SCALES.stop :],
-        )
-        group_outs = [outs[i] for i in pick]
-        device = group_outs[0].device
-        partial, counters = split_scratch(device, *self.scratch) if self.scratch else (outs[pick[0]],) * 2
+        group_outs = []
+        for i, (shape, transposed) in zip(self.members, self.buffers):
+            out = torch.empty(shape, dtype=self.out_dtype, device=self.device)
+            outs[i] = out = out.T if transposed else out
+            group_outs.append(out)
+        scratch = self.scratch
+        partial, counters = split_scratch(self.device, *scratch) if scratch else (group_outs[0],) * 2
         self.launch(
-            *_slots([lefts[i] for i in pick]), *_slots([xs[i] for i in pick]), *_slots(group_outs),
-            partial, counters, *numbers,
+            *_slots([lefts[i] for i in self.members]), *_slots([xs[i] for i in self.members]),
+            *_slots(group_outs), partial, counters,
+            *self.head, *_scale_slots([scales[i] for i in self.members]), *self.tail,
         )  # fmt: skip
+
+
+class _SingleLaunch(NamedTuple):
+    """A plan's launch of `lora_weight_grad`'s kernel for one problem, from that op's own plan."""
+
+    index: int
+    plan: object  # lora_weight_grad's `_WeightGradPlan`
+
+    def __call__(self, lefts, xs, scales, outs) -> None:
+        i = self.index
+        outs[i] = _run_weight_grad_plan(self.plan, lefts[i], xs[i], scales[i])
 
 
 _SCALES = slice(2 + MAX_PROBLEMS, 2 + 2 * MAX_PROBLEMS)  # after M, R and the K_i
@@ -189,10 +209,11 @@ def _launch_group(
     block_k: int = 128,
     num_warps: int = 8,
     num_stages: int = 3,
-) -> Optional[tuple[BoundLaunch, tuple, Optional[tuple[int, int]]]]:
+) -> Optional[tuple[BoundLaunch, tuple, tuple, Optional[tuple[int, int]]]]:
     """One launch of the grouped kernel for 1 to MAX_PROBLEMS problems of one rank, into `outs`.
 
-    Returns (bound launch, its scalar arguments, its scratch sizes), or None when interpreted. The
+    Returns (bound launch, its scalar arguments before and after the scales, its scratch sizes), or
+    None when interpreted. The
     tiles are `_lora_weight_grad_triton`'s for each problem (`launch_groups` groups only problems it
     tiles alike); the token splits give every SM two programs over all the group's tiles (keyword
     arguments: tests' smaller tiles and forced splits)."""
@@ -219,15 +240,17 @@ def _launch_group(
         DOT_PRECISION=dot_precision(lefts[0].dtype, xs[0].dtype), DOT_MODE=dot_mode(xs[0], lefts[0]),
         SPLIT=split > 1, PROBLEMS=len(xs), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return None if bound is None else (bound, numbers, scratch)
+    if bound is None:
+        return None
+    return bound, numbers[: _SCALES.start], numbers[_SCALES.stop :], scratch
 
 
 def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     """The problems' indices by launch: those `lora_weight_grad` would tile alike (rank, rank and row
     tiles, activation dtype, unit column stride) with lefts of one rank stride, in order, at most
     MAX_PROBLEMS per launch; any other problem alone: every problem with no tokens, rank or columns
-    (lora_weight_grad answers with zeros), and an x whose row stride is 1 (Triton would make that
-    stride a constant, which the kernel's per-problem pick of it cannot take)."""
+    (lora_weight_grad answers with zeros), and one of a single column or an x whose row stride is 1
+    (Triton would make that K or stride a constant, which the kernel's per-problem pick cannot take)."""
     groups: dict[tuple, list[int]] = {}
     for index, (left, x) in enumerate(zip(lefts, xs)):
         (rows, rank), width = left.shape, x.shape[1]
@@ -236,7 +259,8 @@ def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> 
             WeightGradGroupSettings.enabled
             and x.stride(1) == 1
             and x.stride(0) != 1
-            and rows * rank * width > 0
+            and rows * rank > 0
+            and width > 1
         ):
             key = (rank, weight_grad_block_m(_rank_block(rank, cap=64), width), x.dtype, left.stride(1))
         groups.setdefault(key, []).append(index)
@@ -257,33 +281,39 @@ def _lora_weight_grads_triton(
     copied = tuple(left.stride(0) != 1 for left in lefts)  # token-major, as lora_weight_grad wants it
     lefts = [left.T.contiguous().T if copy else left for left, copy in zip(lefts, copied)]
     device = xs[0].device
-    outs = [
-        _new_out(left.shape[1], x.shape[1], km, out_dtype, device) for left, x, km in zip(lefts, xs, k_major)
-    ]
-    steps: list = []  # per launch: a problem's index (lora_weight_grad's kernel and plan), or a _GroupLaunch
+    outs: list = [None] * len(lefts)
+    steps: list = []  # what a plan launches: a _SingleLaunch or _GroupLaunch per launch
     for members in launch_groups(lefts, xs):
-        if len(members) == 1:
+        if len(members) == 1:  # lora_weight_grad's kernel, and its plan
             (i,) = members
             outs[i] = _lora_weight_grad_triton(
                 left=lefts[i], x=xs[i], scale=scales[i], k_major=k_major[i], out_dtype=out_dtype
             )
-            steps.append(i)
+            single_key = _weight_grad_plan_key(lefts[i], xs[i], k_major[i], out_dtype) if plan_key else None
+            single_plan = _WEIGHT_GRAD_PLANS.get(single_key) if plan_key else None
+            steps.append(None if single_plan is None else _SingleLaunch(i, single_plan))
             continue
+        for i in members:
+            outs[i] = _new_out(lefts[i].shape[1], xs[i].shape[1], k_major[i], out_dtype, device)
         pick = [lefts[i] for i in members], [xs[i] for i in members], [scales[i] for i in members]
         launched = _launch_group(*pick, [outs[i] for i in members])
-        steps.append(None if launched is None else _GroupLaunch(members, *launched))
+        # Each member's output buffer (its transpose is the output where K-major), for the plan.
+        buffers = tuple(
+            (outs[i].shape[::-1], True) if k_major[i] else (outs[i].shape, False) for i in members
+        )
+        steps.append(
+            None if launched is None else _GroupLaunch(members, *launched, buffers, out_dtype, device)
+        )
     if plan_key is not None and None not in steps:
-        _GROUP_PLANS.add(plan_key, _GroupPlan(copied, tuple(k_major), out_dtype, device, tuple(steps)))
+        _GROUP_PLANS.add(plan_key, _GroupPlan(copied if any(copied) else None, len(lefts), tuple(steps)))
     return outs
 
 
 class _GroupPlan(NamedTuple):
     """What `_lora_weight_grads_triton` derived from its inputs' metadata, to launch the same again."""
 
-    copy_left: tuple[bool, ...]  # each left copied token-major first
-    k_major: tuple[bool, ...]
-    out_dtype: torch.dtype
-    device: torch.device
+    copy_left: Optional[tuple[bool, ...]]  # which lefts are copied token-major first (None: none)
+    problems: int
     steps: tuple  # see _lora_weight_grads_triton
 
 
@@ -291,22 +321,11 @@ _GROUP_PLANS = LaunchPlans("lora_weight_grads")
 
 
 def _run_group_plan(plan: _GroupPlan, lefts, xs, scales) -> list[torch.Tensor]:
-    lefts = [left.T.contiguous().T if copy else left for left, copy in zip(lefts, plan.copy_left)]
-    outs = [
-        _new_out(left.shape[1], x.shape[1], km, plan.out_dtype, plan.device)
-        for left, x, km in zip(lefts, xs, plan.k_major)
-    ]
+    if plan.copy_left is not None:
+        lefts = [left.T.contiguous().T if copy else left for left, copy in zip(lefts, plan.copy_left)]
+    outs: list = [None] * plan.problems
     for step in plan.steps:
-        if type(step) is int:
-            outs[step] = _lora_weight_grad_triton(
-                left=lefts[step],
-                x=xs[step],
-                scale=scales[step],
-                k_major=plan.k_major[step],
-                out_dtype=plan.out_dtype,
-            )
-        else:
-            step(lefts, xs, scales, outs)
+        step(lefts, xs, scales, outs)
     return outs
 
 
