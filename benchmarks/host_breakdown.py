@@ -34,6 +34,7 @@ from fastlora_peft.functions.tensor_groups import flatten_tensors
 from fastlora_peft.kernels import lora_terms as ops
 from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_pays_off, tma_fits
+from fastlora_peft.kernels.lora_weight_grad_group import lora_weight_grads
 
 from . import cases
 from .harness import host_and_wall_us
@@ -192,6 +193,9 @@ def main() -> None:
         "op lora_expand_add_(dx, gxa, A.T)": lambda: ops.lora_expand_add_(grad_x, xa, a_t, 2.0),
         "op lora_weight_grad(gxa, x)": lambda: ops.lora_weight_grad(xa, x_2d, 2.0),
         "op lora_weight_grad(xa, g).t.to": lambda: ops.lora_weight_grad(xa, grad_2d, 2).t().to(b_dtype),
+        "op lora_weight_grads(dA, dB: one launch)": lambda: lora_weight_grads(
+            [xa, xa], [x_2d, grad_2d], [2.0, 2.0], [False, True], b_dtype
+        ),
         "yardstick: identity Function step": step(lambda: _Identity.apply(x)),
         "yardstick: torch.mm(x, x[:16].T)": lambda: torch.mm(x_2d, x_2d[:16].t()),
     }  # fmt: skip

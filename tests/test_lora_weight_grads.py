@@ -372,3 +372,28 @@ def test_grouped_kernel_compiles_to_lora_weight_grads_loads_and_dots_on_hopper()
     for block_r in (16, 64):
         assert compiled["group", block_r] == compiled["single", block_r]
         assert "cp.async.cg.shared.global 0x10" in compiled["group", block_r]  # x in 16-byte copies
+
+
+@needs_triton
+@pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters"])
+def test_gated_mlp_makes_downs_db_with_gate_and_up_in_one_launch(layout_id, triton_launches, monkeypatch):
+    """The MLP's backward: gate/up's dA (rank 2r) alone, and gate's, up's and down's dB in one grouped
+    launch; every adapter gradient bit for bit what one lora_weight_grad launch per gradient gives."""
+    from fastlora_peft.functions.gated_mlp import fused_gated_mlp
+
+    layout = FUNCTION_LAYOUTS[layout_id]
+    plan = plan_projection_dtypes(layout[0], layout[0], quantized=layout[2], device_type="cpu")
+    grads = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(WeightGradGroupSettings, "enabled", grouped)
+        bases, loras = _projections([(64, 128), (64, 128), (128, 64)], layout)
+        x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)).to(layout[0])
+        out = fused_gated_mlp(x, bases, loras, plan, "silu")
+        triton_launches.clear()
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+        launches = {k: v for k, v in triton_launches.items() if k.startswith("_lora_weight_grad")}
+        want = {"_lora_weight_grad_kernel": 1, "_lora_weight_grad_group_kernel": 1} if grouped else None
+        assert launches == (want or {"_lora_weight_grad_kernel": 4}), launches
+        grads[grouped] = [grad for lora in loras for grad in (lora.lora_a.grad, lora.lora_b.grad)]
+    for got, want in zip(grads[True], grads[False]):
+        assert got.dtype == want.dtype == layout[1] and torch.equal(got, want)

@@ -123,13 +123,13 @@ CASES = {
         0,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
-    # consumed inside the gated kernels; down as one projection (its dB alone, before dh; its dA inside
-    # the gated backward).
+    # consumed inside the gated kernels; down as one projection (its dA inside the gated backward, its
+    # dB made with gate's and up's weight gradients: one op for all of them).
     "mlp": (
         _mlp,
         _MLP_SHAPES,
         {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
-        {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRAD: 1, WGRADS: 1, GATED_BWD: 1},
+        {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRADS: 1, GATED_BWD: 1},
         1,
     ),
 }

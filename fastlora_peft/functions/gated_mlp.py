@@ -44,13 +44,14 @@ from .frozen_base import (
     weight_is_materialized_fresh,
 )
 from .shared_input import (
+    WeightGradProblem,
+    bias_grads,
     group_lora_a_t,
     hoisted_grad_xa,
     rank_slices,
     shared_input_backward,
     shared_input_forward,
     shared_input_grad_x,
-    shared_input_weight_grads,
 )
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
@@ -303,25 +304,26 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])
         grad_2d = grad_out.reshape(x_2d.shape[0], grad_out.shape[-1])
         with autocast_off(x.device.type):
-            # Down projection: dB and the bias grad need no h, so they are made whole (x_2d=None: h is
-            # read only for dA); dA_down and dh (which becomes the gate/up gradients) are made chunk
-            # by chunk, see `_down_backward_`.
+            # Down projection: dA_down and dh (which becomes the gate/up gradients) are made chunk by
+            # chunk, see `_down_backward_`. dB and the bias grad need no h: dB (xa_down against dY)
+            # is made with gate's and up's weight gradients, one `lora_weight_grads` call whose
+            # grouped launch takes it beside their dB.
             down_lora, need_down = loras[-1], needs_loras[-1]
             grad_ha, down_scale = hoisted_grad_xa([grad_2d], [down_lora])
-            (down_grad_lora,), down_grad_bases = shared_input_weight_grads(
-                None, ha_down, [grad_2d], grad_ha, down_scale, bases[-1:], [down_lora],
-                [need_down._replace(lora_a=False)], needs_bases[-1:],
-            )  # fmt: skip
+            down_grad_bases = bias_grads(bases[-1:], needs_bases[-1:], [grad_2d])
             grad_a_down = _down_backward_(
                 gate, up, ctx.activation, grad_2d, grad_ha, down_scale, bases[-1],
                 down_lora, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes,
             )  # fmt: skip
-            if grad_a_down is not None:
-                down_grad_lora = down_grad_lora._replace(lora_a=grad_a_down.to(down_lora.lora_a.dtype))
+            down_b = WeightGradProblem(ha_down, grad_2d, down_lora.scale, True, down_lora.lora_b.dtype)
             gate_up = shared_input_backward(
                 x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, ctx.needs_input_grad[0],
                 needs_loras[:-1], needs_bases[:-1], lora_a_t=lora_a_t,
+                extra_weight_grads=[down_b] if need_down.lora_b else [],
             )  # fmt: skip
+        grad_a_down = None if grad_a_down is None else grad_a_down.to(down_lora.lora_a.dtype)
+        grad_b_down = gate_up.extra[0].t() if need_down.lora_b else None
+        down_grad_lora = LoraWeights(grad_a_down, grad_b_down, down_lora.scale)
         grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
         grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
         return (grad_x, None, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))

@@ -46,6 +46,18 @@ class SharedInputGrads(NamedTuple):
     grad_x_lora: Optional[torch.Tensor]  # the LoRA terms' share when they read a dropped-out x_lora
     loras: list[LoraWeights]  # grad_a / grad_b (or None) in each slot
     bases: list[FrozenBase]  # grad of a trainable bias (or None); the weight is frozen
+    extra: list[torch.Tensor]  # the caller's `extra_weight_grads`, in order
+
+
+class WeightGradProblem(NamedTuple):
+    """One `scale * left.T @ x` for `lora_weight_grads`: left [tokens, r] fp32, x [tokens, K]; the
+    result K-major where `k_major` (a dB, whose transpose is then dense), rounded to `out_dtype`."""
+
+    left: torch.Tensor
+    x: torch.Tensor
+    scale: float
+    k_major: bool
+    out_dtype: Optional[torch.dtype]
 
 
 def rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
@@ -275,12 +287,14 @@ def shared_input_weight_grads(
     loras: Sequence[LoraWeights],
     needs_loras: Sequence[LoraWeights],
     needs_bases: Sequence[FrozenBase],
-) -> tuple[list[LoraWeights], list[FrozenBase]]:
-    """dA_i (one pass over x for all of them), dB_i from the saved xa, and trainable biases' grads.
+    extra_weight_grads: Sequence[WeightGradProblem] = (),
+) -> tuple[list[LoraWeights], list[FrozenBase], list[torch.Tensor]]:
+    """dA_i (one pass over x for all of them), dB_i from the saved xa, trainable biases' grads, and
+    the caller's `extra_weight_grads` (the gated MLP's down dB), in that order.
 
     The weight gradients go to one `lora_weight_grads` call, which launches together those it can
-    (o_proj's dA and dB, a group's dB_i), where every adapter has one dtype (each gradient is then
-    rounded to it by its kernel). A group of mixed adapter dtypes makes each with `lora_weight_grad`.
+    (o_proj's dA and dB, a group's dB_i), where all have one dtype (each gradient is then rounded to it
+    by its kernel). A group of mixed adapter dtypes makes each with `lora_weight_grad`.
     """
     needs_a = any(need.lora_a for need in needs_loras)
     a_dtypes = {lora.lora_a.dtype for lora in loras}
@@ -289,18 +303,21 @@ def shared_input_weight_grads(
     a_dtype = next(iter(a_dtypes)) if len(a_dtypes) == 1 else None
     # (left, x, scale, k_major, out dtype) of each gradient: dA of the group first, then each dB_i,
     # made K-major so its transpose (lora_B's layout) is dense and autograd keeps it as it is.
-    problems = [(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
+    problems = [WeightGradProblem(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
     for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
         if need.lora_b:
-            problems.append((xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype))
-    out_dtypes = {problem[4] for problem in problems}
+            problems.append(WeightGradProblem(xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype))
+    problems += extra_weight_grads
+    out_dtypes = {problem.out_dtype for problem in problems}
     if len(problems) > 1 and len(out_dtypes) == 1 and None not in out_dtypes:
         lefts, xs, scales, k_major, out_dtype = zip(*problems)
         weight_grads = lora_weight_grads(lefts, xs, scales, k_major, out_dtype[0])
     else:
         weight_grads = [
-            lora_weight_grad(*problem[:3], k_major=problem[3], out_dtype=problem[4]) for problem in problems
+            lora_weight_grad(left, x, scale, k_major=k_major, out_dtype=out_dtype)
+            for left, x, scale, k_major, out_dtype in problems
         ]
+    extra = weight_grads[len(weight_grads) - len(extra_weight_grads) :]
     grad_a_all = weight_grads[0] if needs_a else None
     grad_bs = iter(weight_grads[1:] if needs_a else weight_grads)
     grad_loras = []
@@ -308,11 +325,18 @@ def shared_input_weight_grads(
         grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
         grad_b = next(grad_bs).t() if need.lora_b else None
         grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
+    return grad_loras, bias_grads(bases, needs_bases, grads_2d), extra
+
+
+def bias_grads(
+    bases: Sequence[FrozenBase], needs_bases: Sequence[FrozenBase], grads_2d: Sequence[torch.Tensor]
+) -> list[FrozenBase]:
+    """Each trainable bias's gradient (summed over the tokens in fp32), in a FrozenBase slot."""
     grad_bases = []
     for base, need, grad in zip(bases, needs_bases, grads_2d):
         grad_bias = grad.sum(0, dtype=torch.float32).to(base.bias.dtype) if need.bias else None
         grad_bases.append(FrozenBase(None, grad_bias, None))  # the weight stays frozen
-    return grad_loras, grad_bases
+    return grad_bases
 
 
 def shared_input_backward(
@@ -328,9 +352,11 @@ def shared_input_backward(
     x_lora_2d: Optional[torch.Tensor] = None,
     needs_x_lora: bool = False,
     lora_a_t: Optional[torch.Tensor] = None,
+    extra_weight_grads: Sequence[WeightGradProblem] = (),
 ) -> SharedInputGrads:
     """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused);
-    lora_a_t: the `group_lora_a_t` the forward read, or None."""
+    lora_a_t: the `group_lora_a_t` the forward read, or None; extra_weight_grads: weight gradients of
+    the caller's to make with the group's (`shared_input_weight_grads`)."""
     grads_2d = _grads_or_zeros(x_2d, bases, plan, grads_2d)
     lora_reads_x = x_lora_2d is None
     grad_xa, lora_scale = None, 1.0
@@ -344,7 +370,7 @@ def shared_input_backward(
         )  # fmt: skip
     if needs_x_lora and not lora_reads_x:
         grad_x_lora = lora_input_grad(grad_xa, lora_scale, loras, x_lora_2d, lora_a_t)
-    grad_loras, grad_bases = shared_input_weight_grads(
+    grad_loras, grad_bases, extra = shared_input_weight_grads(
         x_2d if lora_reads_x else x_lora_2d,
         xa,
         grads_2d,
@@ -354,8 +380,9 @@ def shared_input_backward(
         loras,
         needs_loras,
         needs_bases,
+        extra_weight_grads,
     )
-    return SharedInputGrads(grad_x, grad_x_lora, grad_loras, grad_bases)
+    return SharedInputGrads(grad_x, grad_x_lora, grad_loras, grad_bases, extra)
 
 
 class LoraSharedInputFunction(torch.autograd.Function):
