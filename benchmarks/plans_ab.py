@@ -1,6 +1,6 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad] [--tokens 8192]
+python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad|shrink] [--tokens 8192]
     [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
@@ -33,6 +33,7 @@ from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels import lora_addmm
 from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
 from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
 
 from . import cases
@@ -88,6 +89,11 @@ def set_wgrad(enabled: bool) -> None:
     WeightGradGroupSettings.enabled = enabled
 
 
+def set_shrink(enabled: bool) -> None:
+    """On: a group's backward shrinks (`lora_shrink_stacked`) in one launch; off: one per member."""
+    ShrinkGroupSettings.enabled = enabled
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "plans": set_plans,
     "augmented": set_augmented,
@@ -95,6 +101,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "sum": set_sum,
     "group": set_group,
     "wgrad": set_wgrad,
+    "shrink": set_shrink,
 }
 
 
@@ -105,14 +112,14 @@ def library_defaults() -> Callable[[], None]:
     the command without lora_addmm)."""
     plans, addmm_mode, min_tokens = LaunchPlans.enabled, LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens
     sum_members, group_forward = LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward
-    grouped_weight_grads = WeightGradGroupSettings.enabled
+    grouped_weight_grads, grouped_shrinks = WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled
 
     def restore() -> None:
         LaunchPlans.enabled = plans
         library_rules()
         LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens = addmm_mode, min_tokens
         LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward = sum_members, group_forward
-        WeightGradGroupSettings.enabled = grouped_weight_grads
+        WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled = grouped_weight_grads, grouped_shrinks
 
     return restore
 

@@ -39,7 +39,7 @@ def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
     assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
 
 
-@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad"])
+@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink"])
 def test_plans_ab_times_both_arms_beside_the_floor(switch):
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
     command += ["--repeats", "1", "--rounds", "1", "--switch", switch]
@@ -200,6 +200,7 @@ def test_ab_tools_put_the_library_defaults_back():
     from fastlora_peft.kernels import lora_addmm
     from fastlora_peft.kernels._launch import LaunchPlans
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+    from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
     from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
 
     assert LoraAddmmSettings.mode == "auto"
@@ -211,11 +212,11 @@ def test_ab_tools_put_the_library_defaults_back():
         LoraAddmmSettings.min_tokens = 1
         assert LoraAddmmSettings.mode == "never" and shared_input.augmented_member is plans_ab._no_member
         assert not LoraAddmmSettings.sum_members and not LoraAddmmSettings.group_forward
-        assert not WeightGradGroupSettings.enabled
+        assert not WeightGradGroupSettings.enabled and not ShrinkGroupSettings.enabled
     finally:
         restore()
     assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
     assert LoraAddmmSettings.min_tokens == 1024 and LoraAddmmSettings.sum_members
-    assert LoraAddmmSettings.group_forward and WeightGradGroupSettings.enabled
+    assert LoraAddmmSettings.group_forward and WeightGradGroupSettings.enabled and ShrinkGroupSettings.enabled
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes

@@ -96,6 +96,7 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         lora_addmm_sum._SUM_PLANS,
         lora_addmm_group._GROUP_PLANS,
         lora_weight_grad_group._GROUP_PLANS,
+        lora_terms._STACKED_PLANS,
     )
     for plans in (*all_plans, *gated_plans, *other_plans):
         monkeypatch.setattr(plans, "plans", {})

@@ -47,6 +47,12 @@ from fastlora_peft.kernels.lora_expand_add import (
     lora_expand_add_inplace_op,
     lora_expand_add_op,
 )
+from fastlora_peft.kernels.lora_shrink_group import MAX_MEMBERS as MAX_GROUP_MEMBERS
+from fastlora_peft.kernels.lora_shrink_group import (
+    ShrinkGroupLaunch,
+    ShrinkGroupSettings,
+    launch_shrink_group,
+)
 from fastlora_peft.kernels.lora_weight_grad import lora_weight_grad, lora_weight_grad_op
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
 
@@ -139,6 +145,30 @@ _SHRINK_TILES = {
 _WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
+class _ShrinkConfig(NamedTuple):
+    """`lora_shrink`'s default launch for an x and a weight (see `_lora_shrink_triton`)."""
+
+    mode: int  # dots.dot_mode
+    copy_weight: bool  # an fp32 weight copied contiguous first
+    block_r: int
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _shrink_config(x: torch.Tensor, weight: torch.Tensor) -> _ShrinkConfig:
+    mode = dot_mode(x, weight)
+    copy_weight = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
+    # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
+    block_r = _rank_block(weight.shape[0], cap=128)
+    block_m, block_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
+    num_warps, num_stages = 8 if block_r > 64 else 4, 4
+    if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
+        block_m, block_k, num_warps, num_stages = _WIDE_SPLIT_LAUNCH
+    return _ShrinkConfig(mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages)
+
+
 def _lora_shrink_triton(
     *,
     x: torch.Tensor,
@@ -175,17 +205,12 @@ def _lora_shrink_triton(
     # copy and shrink at K=4096, 77.5 against 82.1 at K=14336 (H200, 8192 tokens, rank 16,
     # `session9/shrink_fp32_b_transposed_scratch.log`), about even over an MLP's three, while the copy
     # is one more op's host time in every projection's backward in PEFT's default layout.
-    mode = dot_mode(x, weight)
-    weight_copied = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
+    config = _shrink_config(x, weight)
+    mode, weight_copied = config.mode, config.copy_weight
     weight = weight.contiguous() if weight_copied else weight
-    # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
-    block_r = block_r or _rank_block(R, cap=128)
-    default_m, default_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
-    default_warps, default_stages = 8 if block_r > 64 else 4, 4
-    if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
-        default_m, default_k, default_warps, default_stages = _WIDE_SPLIT_LAUNCH
-    block_m, block_k = block_m or default_m, block_k or default_k
-    num_warps, num_stages = num_warps or default_warps, num_stages or default_stages
+    block_r = block_r or config.block_r
+    block_m, block_k = block_m or config.block_m, block_k or config.block_k
+    num_warps, num_stages = num_warps or config.num_warps, num_stages or config.num_stages
     row_blocks = cdiv(M, block_m)
     if split is None:
         # Fewer row blocks than SMs (a few thousand tokens, a chunk of the MLP's down projection):
@@ -367,13 +392,67 @@ def _lora_shrink_stacked_body(
     cat's own allocation and launch.
     """
     _check_stacked_members(xs, weights, scales)  # each member's own checks: in `_shrink`
+    plan_key = None
+    if _STACKED_PLANS.serve(xs[0]):  # see `_PLANS_SKIP_CHECKS`
+        plan_key = _STACKED_PLANS.key(*xs, *weights, ShrinkGroupSettings.enabled)
+        plan = _STACKED_PLANS.get(plan_key)
+        if plan is not None:
+            stacked = torch.empty(plan.shape, dtype=torch.float32, device=plan.device)
+            plan.launch(xs, weights, scales, stacked.T)
+            return stacked.T
     ranks = [weight.shape[0] for weight in weights]
     stacked = torch.empty((sum(ranks), xs[0].shape[0]), dtype=_stacked_dtype(xs[0]), device=xs[0].device)
+    if runs_triton(xs[0]) and _shrinks_group(xs, weights):
+        _check_shrink_stacked(xs, weights, scales)
+        config = _shrink_config(xs[0], weights[0])
+        launched = launch_shrink_group(
+            xs, weights, scales, stacked.T, block_m=config.block_m, block_k=config.block_k,
+            block_r=config.block_r, num_warps=config.num_warps, num_stages=config.num_stages,
+            dot_mode=config.mode, dot_precision=dot_precision(xs[0].dtype, weights[0].dtype),
+            sms=_num_sms(xs[0].device),
+        )  # fmt: skip
+        if plan_key is not None and launched is not None:
+            _STACKED_PLANS.add(plan_key, _StackedPlan(launched, stacked.shape, stacked.device))
+        return stacked.T
     start = 0
     for x, weight, scale, rank in zip(xs, weights, scales, ranks):
         _shrink(x, weight, float(scale), stacked[start : start + rank].T)
         start += rank
     return stacked.T
+
+
+def _shrinks_group(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
+    """Whether a stacked shrink's members take one launch of `lora_shrink_group`'s kernel: 2 to
+    MAX_MEMBERS of them, `ShrinkGroupSettings.enabled`, every member tiled as `lora_shrink` tiles the
+    first (one dot mode, one rank, no weight copied) with weights of one set of strides, and each x of
+    unit column stride, more than one column and a row stride other than 1 (Triton would make a 1
+    there a constant, which the kernel's per-member pick cannot take)."""
+    if not (ShrinkGroupSettings.enabled and 1 < len(xs) <= MAX_GROUP_MEMBERS):
+        return False
+    config = _shrink_config(xs[0], weights[0])
+    if config.copy_weight or xs[0].shape[0] == 0 or weights[0].shape[0] == 0:
+        return False
+    for x, weight in zip(xs, weights):
+        if (
+            x.dtype != xs[0].dtype
+            or weight.dtype != weights[0].dtype
+            or weight.stride() != weights[0].stride()
+        ):
+            return False
+        if weight.shape[0] != weights[0].shape[0] or x.stride(1) != 1 or x.stride(0) == 1 or x.shape[1] < 2:
+            return False
+    return True
+
+
+class _StackedPlan(NamedTuple):
+    """A grouped stacked shrink's launch and its output buffer ([sum R, M]: the result its transpose)."""
+
+    launch: ShrinkGroupLaunch
+    shape: torch.Size
+    device: torch.device
+
+
+_STACKED_PLANS = LaunchPlans("lora_shrink_stacked")
 
 
 lora_shrink_stacked_op = torch.library.custom_op(

@@ -1,0 +1,181 @@
+"""A group's backward shrinks in one launch: ``out[:, i R : (i + 1) R] = scale_i * x_i @ w_i.T``.
+
+`lora_shrink_stacked` (q/k/v's `g_i @ B_i`, gate's and up's) writes each member's shrink into its
+columns of one token-major buffer; it launched `lora_shrink`'s kernel once per member, each launch
+costing host time in blocks that are host-bound (docs/benchmarks.md). Here one launch walks every
+member's programs: each program picks its member from its split index (member 0's splits first),
+then runs `lora_shrink`'s loop over that member's columns of x. The members share M and the rank
+(one rank tile, one row tile) and are tiled as `lora_shrink` tiles each; the column splits are
+chosen for all the members' row blocks together (`group_splits`). The op and its choice of tiles
+live in `lora_terms`; this module holds the kernel and its launch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, cdiv
+from fastlora_peft.kernels.dots import activation_dot
+from fastlora_peft.kernels.split_sum import split_scratch, split_total
+
+MAX_MEMBERS = 3  # q/k/v
+
+
+class ShrinkGroupSettings:
+    """Whether `lora_shrink_stacked` launches its members together (read at every call). False launches
+    `lora_shrink`'s kernel per member (tests, `plans_ab --switch shrink`)."""
+
+    enabled = True
+
+
+@CachedKernel
+@triton.jit
+def _lora_shrink_group_kernel(
+    X0_ptr, X1_ptr, X2_ptr, W0_ptr, W1_ptr, W2_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    M, R, K0, K1, K2, k_per_split, splits0, splits1, splits2,
+    scale0, scale1, scale2, stride_xm0, stride_xm1, stride_xm2, stride_wr, stride_wk0, stride_wk1, stride_wk2,
+    stride_om, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr, MEMBERS: tl.constexpr,
+):  # fmt: skip
+    """Out[:, i R : (i + 1) R] = scale_i * X_i[M, K_i] @ W_i[R, K_i]^T in fp32 for i < MEMBERS (slots
+    past MEMBERS are not read). X_i with unit column stride; the W_i of one rank stride.
+
+    Programs (row block, rank tile, split over every member's splits), as in `lora_shrink`'s kernel;
+    every member's splits are k_per_split columns long (one argument: picked per member like the
+    others, it lost its divisibility by 16 in an sm_90 compile, and x's loads their 16-byte copies).
+    With SPLIT, member i's fp32 partials start at (splits_0 + ... + splits_{i-1}) * M * R, and its
+    tiles' counters at i * (row blocks) * (rank tiles); a member of one split stores directly.
+    """
+    pid_m = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    # The member's pointers and numbers are picked first, so one loop serves every member.
+    if pid_s < splits0:
+        X_ptr, W_ptr, K, n_splits, scale = X0_ptr, W0_ptr, K0, splits0, scale0
+        split, member, splits_before = pid_s, 0, 0
+        stride_xm, stride_wk = stride_xm0, stride_wk0
+    elif pid_s < splits0 + splits1:  # (with two members every program past member 0's is here)
+        X_ptr, W_ptr, K, n_splits, scale = X1_ptr, W1_ptr, K1, splits1, scale1
+        split, member, splits_before = pid_s - splits0, 1, splits0
+        stride_xm, stride_wk = stride_xm1, stride_wk1
+    else:
+        X_ptr, W_ptr, K, n_splits, scale = X2_ptr, W2_ptr, K2, splits2, scale2
+        split, member, splits_before = pid_s - splits0 - splits1, 2, splits0 + splits1
+        stride_xm, stride_wk = stride_xm2, stride_wk2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_r = offs_r < R
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = W_ptr + (k_start + offs_k)[:, None] * stride_wk + offs_r[None, :] * stride_wr  # W^T tile
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k + k0 < k_end
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc = activation_dot(x, w, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    # Member i's columns of the stacked output start at i * R.
+    offsets = offs_m.to(tl.int64)[:, None] * stride_om + (member * R + offs_r)[None, :] * stride_or
+    mask = mask_m[:, None] & mask_r[None, :]
+    if SPLIT:
+        if n_splits > 1:
+            partials = Partial_ptr + splits_before * M * R
+            # The partials of one member laid out like its [M, R] block of Out, without the offset.
+            local = offs_m.to(tl.int64)[:, None] * R + offs_r[None, :]
+            tiles = tl.num_programs(0) * tl.num_programs(1)
+            counter_ptr = Counter_ptr + member * tiles + pid_m * tl.num_programs(1) + pid_r
+            is_last, total = split_total(acc, partials, local, mask, split, n_splits, M * R, counter_ptr)
+            if is_last:
+                tl.store(Out_ptr + offsets, scale * total, mask=mask)
+        else:
+            tl.store(Out_ptr + offsets, scale * acc, mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, scale * acc, mask=mask)
+
+
+def group_k_per_split(widths: Sequence[int], row_blocks: int, block_k: int, sms: int) -> int:
+    """The columns of one split, for every member: all of the widest member's (no split) while the
+    members' row blocks together give every SM a program (at 8192 tokens three members' 128 row
+    blocks are 384 programs), else as `lora_shrink` splits one x: every SM about two programs over
+    all the members, each split at least four column steps long."""
+    widest = cdiv(max(widths), block_k) * block_k
+    if len(widths) * row_blocks >= sms:
+        return widest
+    step = cdiv(cdiv(row_blocks * sum(widths), 2 * sms), block_k) * block_k
+    return min(widest, max(4 * block_k, step))
+
+
+class ShrinkGroupLaunch(NamedTuple):
+    """A plan's launch of the grouped kernel: the same again with new tensors and scales."""
+
+    launch: BoundLaunch
+    head: tuple  # its scalar arguments before the scales (M, R, the K_i, splits) ...
+    tail: tuple  # ... and after them
+    scratch: Optional[tuple[int, int]]  # split_scratch's sizes when a member splits
+    device: torch.device
+
+    def __call__(self, xs, weights, scales, out) -> None:
+        partial, counters = split_scratch(self.device, *self.scratch) if self.scratch else (out, out)
+        scalars = (*self.head, *_scale_slots(scales), *self.tail)
+        self.launch(*_slots(xs), *_slots(weights), out, partial, counters, *scalars)
+
+
+def _slots(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernel's MAX_MEMBERS tensor slots: slots past the members repeat the first (never read)."""
+    return [*tensors, *[tensors[0]] * (MAX_MEMBERS - len(tensors))]
+
+
+def _scale_slots(scales: Sequence[float]) -> list[float]:
+    return [*map(float, scales), *[0.0] * (MAX_MEMBERS - len(scales))]
+
+
+def launch_shrink_group(
+    xs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    out: torch.Tensor,
+    *,
+    block_m: int,
+    block_k: int,
+    block_r: int,
+    num_warps: int,
+    num_stages: int,
+    dot_mode: int,
+    dot_precision: str,
+    sms: int,
+    k_per_split: Optional[int] = None,
+) -> Optional[ShrinkGroupLaunch]:
+    """Launches the grouped kernel for 2 to MAX_MEMBERS members into `out` ([M, members * R], strides
+    of the caller's buffer), with the tiles the caller chose (`lora_terms`: `lora_shrink`'s for these
+    operands) and `group_k_per_split` (or the given split length: tests). Returns the plan's launch,
+    None when interpreted."""
+    M, R = xs[0].shape[0], weights[0].shape[0]
+    widths = [x.shape[1] for x in xs]
+    row_blocks, r_tiles = cdiv(M, block_m), cdiv(R, block_r)
+    k_per_split = k_per_split or group_k_per_split(widths, row_blocks, block_k, sms)
+    splits = [cdiv(width, k_per_split) for width in widths]
+    split = max(splits) > 1
+    scratch = (sum(splits) * M * R, len(xs) * row_blocks * r_tiles) if split else None
+    partial, counters = split_scratch(out.device, *scratch) if scratch else (out, out)
+    pad = [0] * (MAX_MEMBERS - len(xs))
+    head = (M, R, *widths, *pad, k_per_split, *splits, *pad)
+    tail = (
+        *[x.stride(0) for x in xs], *pad, weights[0].stride(0), *[w.stride(1) for w in weights], *pad,
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+    bound = _lora_shrink_group_kernel[(row_blocks, r_tiles, sum(splits))](
+        *_slots(xs), *_slots(weights), out, partial, counters, *head, *_scale_slots(scales), *tail,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision, DOT_MODE=dot_mode,
+        SPLIT=split, MEMBERS=len(xs), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return None if bound is None else ShrinkGroupLaunch(bound, head, tail, scratch, out.device)

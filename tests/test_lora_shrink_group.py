@@ -1,0 +1,280 @@
+"""`lora_shrink_stacked` in one launch (`lora_shrink_group`): a group's backward shrinks `g_i @ B_i`.
+
+The grouped kernel against float64 under the interpreter (2 and 3 members, ragged columns, split
+columns, each dot mode); which stacked shrinks it takes; that it computes bit for bit what one
+`lora_shrink` launch per member does; the split rule; its launch plan; an sm_90 compile against
+`lora_shrink`'s kernel; and the fused q/k/v backward, which makes its `g_i @ B_i` in one launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, rel_err
+from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  # noqa: F401
+
+from fastlora_peft.dtypes import plan_projection_dtypes
+from fastlora_peft.functions.shared_input import fused_lora_projections
+from fastlora_peft.kernels import _launch, lora_terms
+from fastlora_peft.kernels.dots import dot_precision
+from fastlora_peft.kernels.lora_shrink_group import (
+    ShrinkGroupSettings,
+    group_k_per_split,
+    launch_shrink_group,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+needs_triton = pytest.mark.skipif(
+    not (TRITON_INTERPRET or torch.cuda.is_available()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _members(m, widths, x_dtype, weight_dtype, rank=5, seed=0):
+    """Per member: x [m, K_i] (a dY) and weight = B_i.T ([rank, K_i], strides (1, rank)), a scale each."""
+    generator = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(m, k, generator=generator).to(DEVICE, x_dtype) for k in widths]
+    weights = [torch.randn(k, rank, generator=generator).to(DEVICE, weight_dtype).t() for k in widths]
+    return xs, weights, [0.5 + i for i in range(len(widths))]
+
+
+def _truth(xs, weights, scales):
+    return torch.cat([s * (x.double() @ w.double().T) for x, w, s in zip(xs, weights, scales)], dim=1)
+
+
+@needs_triton
+@pytest.mark.parametrize("k_per_split", [None, 16], ids=["whole", "split"])
+@pytest.mark.parametrize("x_dtype, weight_dtype", [(BF16, FP32), (BF16, BF16), (FP16, FP16), (FP32, BF16)])
+@pytest.mark.parametrize("widths", [(40, 17, 130), (33, 64)], ids=str)
+def test_grouped_kernel_matches_float64(widths, x_dtype, weight_dtype, k_per_split):
+    m = 37
+    xs, weights, scales = _members(m, widths, x_dtype, weight_dtype)
+    config = lora_terms._shrink_config(xs[0], weights[0])
+    out = torch.empty(5 * len(widths), m, device=DEVICE).T  # token-major, as the op makes it
+    # 8-row blocks, 16-column steps: several row blocks, steps and (split: 3, 2 and 9) splits.
+    launch_shrink_group(
+        xs, weights, scales, out, block_m=8, block_k=16, block_r=config.block_r, num_warps=4, num_stages=2,
+        dot_mode=config.mode, dot_precision=dot_precision(x_dtype, weight_dtype), sms=1,
+        k_per_split=k_per_split,
+    )  # fmt: skip
+    assert rel_err(out, _truth(xs, weights, scales)) < 1e-5
+
+
+@needs_triton
+def test_each_member_keeps_its_split_partials_apart():
+    """On a GPU the programs of all members run at once, so each member's fp32 split partials must have
+    memory of their own: member i's split s at (splits_0 + ... + splits_{i-1} + s) * M * R, laid out
+    [M, R]. (The interpreter runs the programs one after another, so results alone cannot show two
+    members sharing partials.)"""
+    from fastlora_peft.kernels.split_sum import split_scratch
+
+    m, widths, rank = 37, (40, 17, 130), 5
+    xs, weights, scales = _members(m, widths, BF16, FP32, rank=rank)
+    config = lora_terms._shrink_config(xs[0], weights[0])
+    out = torch.empty(rank * 3, m, device=DEVICE).T
+    launch_shrink_group(
+        xs, weights, scales, out, block_m=8, block_k=16, block_r=config.block_r, num_warps=4, num_stages=2,
+        dot_mode=config.mode, dot_precision="tf32x3", sms=1, k_per_split=16,
+    )  # fmt: skip
+    splits = [-(-k // 16) for k in widths]  # 3, 2 and 9
+    partials = split_scratch(torch.device(DEVICE), sum(splits) * m * rank, 1).partials
+    slab = 0
+    for x, weight, count in zip(xs, weights, splits):
+        for split in range(count):
+            columns = slice(16 * split, 16 * (split + 1))
+            got = partials[(slab + split) * m * rank : (slab + split + 1) * m * rank].view(m, rank)
+            assert rel_err(got, x[:, columns].double() @ weight[:, columns].double().T) < 1e-5
+        slab += count
+
+
+def test_split_length_rule():
+    # Enough row blocks over the members: no split (the widest member's columns in 64-wide steps).
+    assert group_k_per_split([4096, 1024, 1024], row_blocks=128, block_k=64, sms=132) == 4096
+    # 2048 tokens: 32 row blocks of three members, every SM about two programs: 768 columns a split,
+    # so q's 4096 in 6 splits and k's and v's 1024 in 2 each (320 programs).
+    assert group_k_per_split([4096, 1024, 1024], row_blocks=32, block_k=64, sms=132) == 768
+    # At least four column steps a split.
+    assert group_k_per_split([512, 512], row_blocks=2, block_k=64, sms=132) == 256
+
+
+@pytest.mark.parametrize(
+    "change, groups",
+    [
+        (lambda xs, ws: (xs, ws), True),
+        (lambda xs, ws: (xs[:1], ws[:1]), False),  # one member: lora_shrink's launch
+        (lambda xs, ws: ([*xs, xs[0]], [*ws, ws[0]]), False),  # four members
+        (lambda xs, ws: (xs, [ws[0], ws[1][:4], ws[2]]), False),  # ranks differ
+        (lambda xs, ws: ([xs[0], xs[1].to(FP16), xs[2]], ws), False),  # activation dtypes differ
+        (lambda xs, ws: ([xs[0], xs[1].T.contiguous().T, xs[2]], ws), False),  # columns not contiguous
+        (lambda xs, ws: ([xs[0], xs[1][:, :1], xs[2]], [ws[0], ws[1][:, :1], ws[2]]), False),  # one column
+        (lambda xs, ws: (xs, [ws[0], ws[1].contiguous(), ws[2]]), False),  # weights of other strides
+    ],
+)
+def test_which_stacked_shrinks_take_one_launch(change, groups, monkeypatch):
+    xs, weights, _ = _members(9, (40, 17, 30), BF16, BF16)
+    assert lora_terms._shrinks_group(*change(xs, weights)) == groups
+    monkeypatch.setattr(ShrinkGroupSettings, "enabled", False)
+    assert not lora_terms._shrinks_group(xs, weights)
+
+
+def test_fp32_weights_copied_for_fp32_dots_stay_apart():
+    # fp32 activations against fp32 weights take tf32x3 dots, for which lora_shrink copies a
+    # transposed weight contiguous: each member's own launch.
+    xs, weights, _ = _members(9, (40, 17, 30), FP32, FP32)
+    assert not lora_terms._shrinks_group(xs, weights)
+
+
+@needs_triton
+@pytest.mark.parametrize("x_dtype, weight_dtype", [(BF16, FP32), (BF16, BF16), (FP16, FP16)])
+def test_grouped_launch_computes_what_lora_shrink_does(x_dtype, weight_dtype, triton_launches, monkeypatch):
+    xs, weights, scales = _members(45, (40, 17, 30), x_dtype, weight_dtype)
+    grouped = lora_terms.lora_shrink_stacked(xs, weights, scales)
+    assert dict(triton_launches) == {"_lora_shrink_group_kernel": 1}
+    triton_launches.clear()
+    monkeypatch.setattr(ShrinkGroupSettings, "enabled", False)
+    alone = lora_terms.lora_shrink_stacked(xs, weights, scales)
+    assert dict(triton_launches) == {"_lora_shrink_kernel": 3}
+    assert grouped.stride() == alone.stride() == (1, 45) and torch.equal(grouped, alone)
+    assert rel_err(grouped, _truth(xs, weights, scales)) < 1e-5
+
+
+def test_group_plan_launches_what_the_launcher_would(recorded_launches, monkeypatch):  # noqa: F811
+    """Call 1 makes the plan, call 2 launches from it with its own tensors and scales, call 3 (plans
+    off) must launch the same arguments. (The op body, whose plan it is: on CPU tensors it is told
+    they run Triton.)"""
+    monkeypatch.setattr(lora_terms, "runs_triton", lambda tensor: True)
+
+    def make_inputs(seed):
+        xs, weights, scales = _members(600, (64, 32, 32), BF16, FP32, rank=16, seed=seed)
+        return xs, weights, [scale + seed for scale in scales]
+
+    lora_terms._lora_shrink_stacked_body(*make_inputs(0))
+    assert len(recorded_launches) == 1 and len(_THROUGH_CACHE) == 1
+    second = make_inputs(1)
+    lora_terms._lora_shrink_stacked_body(*second)
+    assert len(recorded_launches) == 2 and len(_THROUGH_CACHE) == 1, "call 2 did not launch from its plan"
+    _launch.LaunchPlans.enabled = False
+    try:
+        lora_terms._lora_shrink_stacked_body(*second)
+    finally:
+        _launch.LaunchPlans.enabled = True
+    _same_launch(recorded_launches[1], recorded_launches[2], [*second[0], *second[1]])
+    assert [value for value in recorded_launches[1] if type(value) is float] == [1.5, 2.5, 3.5]
+
+
+@needs_triton
+@pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
+def test_fused_qkv_backward_makes_its_shrinks_in_one_launch(layout_id, triton_launches, monkeypatch):
+    """q/k/v's `g_i @ B_i` in one launch where the layout allows it (not fp32 adapters on fp16 or fp32
+    activations, whose fp32 dots take a copied weight per member), and every gradient bit for bit
+    what one launch per member gives."""
+    from test_lora_weight_grads import _projections
+
+    layout = FUNCTION_LAYOUTS[layout_id]
+    plan = plan_projection_dtypes(layout[0], layout[0], quantized=layout[2], device_type="cpu")
+    copied = layout[1] == FP32 and layout[0] in (FP16, FP32)
+    results = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(ShrinkGroupSettings, "enabled", grouped)
+        bases, loras = _projections([(64, 64), (64, 128), (64, 128)], layout)
+        x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)).to(layout[0]).requires_grad_()
+        outputs = fused_lora_projections(x, bases, loras, plan)
+        grads = [
+            torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
+            for out in outputs
+        ]
+        triton_launches.clear()
+        torch.autograd.backward(outputs, grads)
+        shrinks = {k: v for k, v in triton_launches.items() if "shrink" in k}
+        one_launch = grouped and not copied
+        assert shrinks == ({"_lora_shrink_group_kernel": 1} if one_launch else {"_lora_shrink_kernel": 3}), (
+            shrinks
+        )
+        results[grouped] = [x.grad] + [g for lora in loras for g in (lora.lora_a.grad, lora.lora_b.grad)]
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+
+
+# Compiles `lora_shrink`'s kernel and the grouped kernel for an H100/H200 (sm_90) as launches at Llama
+# sizes specialize them (16-byte aligned pointers, sizes and strides multiples of 16; B.T's rank
+# stride and the token-major output's row stride 1), the split dot (fp32 B) and the native one (bf16
+# B), with and without splits, and prints each one's shared memory and its memory and MMA
+# instructions by kind. A subprocess: under TRITON_INTERPRET=1 `triton.jit` makes no compilable kernel.
+_SM90_COMPILE = r"""
+import collections
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastlora_peft.kernels import lora_shrink_group, lora_terms
+from fastlora_peft.kernels.dots import NATIVE_DOT, SPLIT_DOT
+
+kernels = {
+    "single": lora_terms._lora_shrink_kernel.kernel,
+    "group": lora_shrink_group._lora_shrink_group_kernel.kernel,
+}
+for mode, weight_type in ((SPLIT_DOT, "fp32"), (NATIVE_DOT, "bf16")):
+    block_m, block_k = lora_terms._SHRINK_TILES[mode]
+    for split in (False, True):
+        for name, fn in kernels.items():
+            constexprs = dict(
+                BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=16, DOT_PRECISION="tf32x3", DOT_MODE=mode,
+                SPLIT=split, stride_wr=1, stride_om=1,
+            )
+            constexprs.update(MEMBERS=3) if name == "group" else constexprs.update(stride_xk=1)
+            names = fn.arg_names
+            def kind(arg):
+                if arg in constexprs:
+                    return "constexpr"
+                if arg.startswith("X"):
+                    return "*bf16"
+                if arg.startswith("W"):
+                    return "*" + weight_type
+                if arg.startswith("Counter"):
+                    return "*i32"
+                return "*fp32" if arg.endswith("_ptr") else "fp32" if arg.startswith("scale") else "i32"
+            signature = {arg: kind(arg) for arg in names}
+            divisible = [
+                i for i, arg in enumerate(names)
+                if signature[arg] not in ("constexpr", "fp32") and not arg.startswith(("n_splits", "splits"))
+            ]
+            source = ASTSource(
+                fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                attrs={(i,): [["tt.divisibility", 16]] for i in divisible},
+            )
+            options = dict(num_warps=4, num_stages=4)  # lora_shrink's launch at rank 16
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            ops = collections.Counter()
+            for line in kernel.asm["ptx"].split("\n"):
+                words = line.strip().rstrip(";").split()
+                words = words[1:] if words and words[0].startswith("@") else words
+                if words and words[0].startswith(("cp.async", "ld.global", "wgmma.mma_async", "mma.sync")):
+                    operands = " ".join(words[1:]).split(",")
+                    copies = words[0].startswith(("cp.async.ca.", "cp.async.cg."))
+                    size = operands[2].strip() if copies else ""
+                    ops[f"{words[0]} {size}".strip()] += 1
+            print(name, mode, int(split), kernel.metadata.shared, dict(sorted(ops.items())))
+"""
+
+
+def test_grouped_kernel_compiles_to_lora_shrinks_loads_and_dots_on_hopper():
+    """The grouped kernel's pick of a member must not cost its loop anything on the GPU: for sm_90 it
+    compiles to the same shared memory and the same asynchronous copies (16-byte for x), loads and
+    dots as `lora_shrink`'s kernel (stores aside: a member of one split stores without the sum)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = {}
+    for line in result.stdout.strip().split("\n"):
+        name, mode, split, rest = line.split(" ", 3)
+        compiled[name, mode, split] = rest
+    assert len(compiled) == 8, compiled
+    for name, mode, split in compiled:
+        if name == "group":
+            assert compiled["group", mode, split] == compiled["single", mode, split]
+            assert "cp.async.cg.shared.global 0x10" in compiled["group", mode, split]
