@@ -303,12 +303,13 @@ def shared_input_weight_grads(
     a_dtype = next(iter(a_dtypes)) if len(a_dtypes) == 1 else None
     # (left, x, scale, k_major, out dtype) of each gradient: dA of the group first, then each dB_i,
     # made K-major so its transpose (lora_B's layout) is dense and autograd keeps it as it is.
-    problems = [WeightGradProblem(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
+    # (Plain tuples, laid out as WeightGradProblem: this runs in every backward.)
+    problems = [(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
     for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
         if need.lora_b:
-            problems.append(WeightGradProblem(xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype))
+            problems.append((xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype))
     problems += extra_weight_grads
-    out_dtypes = {problem.out_dtype for problem in problems}
+    out_dtypes = {problem[4] for problem in problems}
     if len(problems) > 1 and len(out_dtypes) == 1 and None not in out_dtypes:
         lefts, xs, scales, k_major, out_dtype = zip(*problems)
         weight_grads = lora_weight_grads(lefts, xs, scales, k_major, out_dtype[0])

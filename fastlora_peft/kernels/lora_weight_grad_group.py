@@ -7,7 +7,7 @@ dA of all three in one pass and a dB per member: four `lora_weight_grad` launche
 launch's host time in blocks that are host-bound (docs/benchmarks.md). Here the gradients whose
 tiles `lora_weight_grad` would launch alike (same rank, rank tile, row tile and activation dtype, the
 lefts of one set of strides) run as one launch of a grouped kernel: o_proj's dA and dB, q/k/v's three
-dB, the MLP's gate and up dB. Each program of the grouped kernel picks its problem from its column
+dB, the MLP's gate, up and down dB. Each program of the grouped kernel picks its problem from its column
 tile (problem 0's tiles first) and then runs `lora_weight_grad`'s loop for that tile; the token
 splits are chosen once for all the group's tiles. A gradient with no partner (q/k/v's dA, of rank 3r)
 takes `lora_weight_grad`'s own kernel.
@@ -40,7 +40,9 @@ from fastlora_peft.kernels.lora_weight_grad import (
 )
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
 
-# A q/k/v group's dA and three dB: the most one call of the fused Functions asks for.
+# The most gradients one launch takes (a call may hand over more: `launch_groups` splits them). The
+# fused Functions ask for at most four in a call: q/k/v's dA and three dB, the MLP's gate/up dA and
+# three dB.
 MAX_PROBLEMS = 4
 
 
@@ -73,7 +75,7 @@ def _lora_weight_grad_group_kernel(
     DOT_MODE: tl.constexpr, SPLIT: tl.constexpr, PROBLEMS: tl.constexpr,
 ):  # fmt: skip
     """Out_i[R, K_i] = scale_i * Left_i[M, R]^T @ X_i[M, K_i] for i < PROBLEMS (slots past PROBLEMS are
-    not read), in Out_i's dtype and strides. Left_i token-major (unit token stride) with one rank
+    None), in Out_i's dtype and strides. Left_i token-major (unit token stride) with one rank
     stride; X_i with unit column stride.
 
     Programs (column tile over every problem's tiles, split, rank tile), as in `lora_weight_grad`'s
@@ -83,27 +85,30 @@ def _lora_weight_grad_group_kernel(
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
-    tiles0 = tl.cdiv(K0, BLOCK_K)
-    tiles1 = tl.cdiv(K1, BLOCK_K) if PROBLEMS > 1 else 0
-    tiles2 = tl.cdiv(K2, BLOCK_K) if PROBLEMS > 2 else 0
-    # The problem's pointers and numbers are picked first, so one loop (one set of pipeline buffers)
-    # serves every problem, as in lora_addmm_group.
-    if pid_k < tiles0:
-        Left_ptr, X_ptr, Out_ptr, K, scale = Left0_ptr, X0_ptr, Out0_ptr, K0, scale0
-        local_k, k_before = pid_k, 0
-        stride_xm, stride_or, stride_ok = stride_xm0, stride_or0, stride_ok0
-    elif pid_k < tiles0 + tiles1:
-        Left_ptr, X_ptr, Out_ptr, K, scale = Left1_ptr, X1_ptr, Out1_ptr, K1, scale1
-        local_k, k_before = pid_k - tiles0, K0
-        stride_xm, stride_or, stride_ok = stride_xm1, stride_or1, stride_ok1
-    elif pid_k < tiles0 + tiles1 + tiles2:
-        Left_ptr, X_ptr, Out_ptr, K, scale = Left2_ptr, X2_ptr, Out2_ptr, K2, scale2
-        local_k, k_before = pid_k - tiles0 - tiles1, K0 + K1
-        stride_xm, stride_or, stride_ok = stride_xm2, stride_or2, stride_ok2
-    else:
-        Left_ptr, X_ptr, Out_ptr, K, scale = Left3_ptr, X3_ptr, Out3_ptr, K3, scale3
-        local_k, k_before = pid_k - tiles0 - tiles1 - tiles2, K0 + K1 + K2
-        stride_xm, stride_or, stride_ok = stride_xm3, stride_or3, stride_ok3
+    # Problem 0's pointers and numbers, then each later problem's over its own tiles: picked before
+    # the loop, so one loop (one set of pipeline buffers) serves every problem, as in lora_addmm_group.
+    # Slots past PROBLEMS hold None (a constant: nothing passed at the launch) and are never read.
+    Left_ptr, X_ptr, Out_ptr, K, scale = Left0_ptr, X0_ptr, Out0_ptr, K0, scale0
+    local_k, k_before = pid_k, K0 * 0
+    stride_xm, stride_or, stride_ok = stride_xm0, stride_or0, stride_ok0
+    tiles_before = tl.cdiv(K0, BLOCK_K)
+    if PROBLEMS > 1:
+        if pid_k >= tiles_before:
+            Left_ptr, X_ptr, Out_ptr, K, scale = Left1_ptr, X1_ptr, Out1_ptr, K1, scale1
+            local_k, k_before = pid_k - tiles_before, K0
+            stride_xm, stride_or, stride_ok = stride_xm1, stride_or1, stride_ok1
+        tiles_before += tl.cdiv(K1, BLOCK_K)
+    if PROBLEMS > 2:
+        if pid_k >= tiles_before:
+            Left_ptr, X_ptr, Out_ptr, K, scale = Left2_ptr, X2_ptr, Out2_ptr, K2, scale2
+            local_k, k_before = pid_k - tiles_before, K0 + K1
+            stride_xm, stride_or, stride_ok = stride_xm2, stride_or2, stride_ok2
+        tiles_before += tl.cdiv(K2, BLOCK_K)
+    if PROBLEMS > 3:
+        if pid_k >= tiles_before:
+            Left_ptr, X_ptr, Out_ptr, K, scale = Left3_ptr, X3_ptr, Out3_ptr, K3, scale3
+            local_k, k_before = pid_k - tiles_before, K0 + K1 + K2
+            stride_xm, stride_or, stride_ok = stride_xm3, stride_or3, stride_ok3
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = local_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -148,9 +153,10 @@ def _new_out(
     return torch.empty((rank, columns), dtype=dtype, device=device)
 
 
-def _slots(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The kernel's MAX_PROBLEMS tensor slots: slots past the problems repeat the first (never read)."""
-    return [*tensors, *[tensors[0]] * (MAX_PROBLEMS - len(tensors))]
+def _slots(values: Sequence) -> list:
+    """The kernel's MAX_PROBLEMS slots of one argument: None past the problems (a constant there, so
+    the launch passes nothing for it)."""
+    return [*values, *[None] * (MAX_PROBLEMS - len(values))]
 
 
 class _GroupLaunch(NamedTuple):
@@ -166,17 +172,17 @@ class _GroupLaunch(NamedTuple):
     device: torch.device
 
     def __call__(self, lefts, xs, scales, outs) -> None:
+        members, dtype, device = self.members, self.out_dtype, self.device
         group_outs = []
-        for i, (shape, transposed) in zip(self.members, self.buffers):
-            out = torch.empty(shape, dtype=self.out_dtype, device=self.device)
+        for i, (shape, transposed) in zip(members, self.buffers):
+            out = torch.empty(shape, dtype=dtype, device=device)
             outs[i] = out = out.T if transposed else out
             group_outs.append(out)
         scratch = self.scratch
-        partial, counters = split_scratch(self.device, *scratch) if scratch else (group_outs[0],) * 2
+        partial, counters = split_scratch(device, *scratch) if scratch else (group_outs[0],) * 2
         self.launch(
-            *_slots([lefts[i] for i in self.members]), *_slots([xs[i] for i in self.members]),
-            *_slots(group_outs), partial, counters,
-            *self.head, *_scale_slots([scales[i] for i in self.members]), *self.tail,
+            *_slots([lefts[i] for i in members]), *_slots([xs[i] for i in members]), *_slots(group_outs),
+            partial, counters, *self.head, *_scale_slots([scales[i] for i in members]), *self.tail,
         )  # fmt: skip
 
 
@@ -194,8 +200,8 @@ class _SingleLaunch(NamedTuple):
 _SCALES = slice(2 + MAX_PROBLEMS, 2 + 2 * MAX_PROBLEMS)  # after M, R and the K_i
 
 
-def _scale_slots(scales: Sequence[float]) -> list[float]:
-    return [*map(float, scales), *[0.0] * (MAX_PROBLEMS - len(scales))]
+def _scale_slots(scales: Sequence[float]) -> list:
+    return [*map(float, scales), *[None] * (MAX_PROBLEMS - len(scales))]
 
 
 def _launch_group(
@@ -229,7 +235,7 @@ def _launch_group(
     split = cdiv(M, rows_per_split)  # no empty splits
     scratch = (split * R * sum(widths), k_tiles * r_tiles) if split > 1 else None
     partial, counters = split_scratch(xs[0].device, *scratch) if scratch else (outs[0], outs[0])
-    pad = [0] * (MAX_PROBLEMS - len(xs))
+    pad = [None] * (MAX_PROBLEMS - len(xs))
     numbers = (
         M, R, *widths, *pad, *_scale_slots(scales), rows_per_split, split, lefts[0].stride(1),
         *[x.stride(0) for x in xs], *pad, *[stride for out in outs for stride in out.stride()], *pad, *pad,
