@@ -400,3 +400,35 @@ def test_gated_mlp_makes_downs_db_with_gate_and_up_in_one_launch(layout_id, trit
         grads[grouped] = [grad for lora in loras for grad in (lora.lora_a.grad, lora.lora_b.grad)]
     for got, want in zip(grads[True], grads[False]):
         assert got.dtype == want.dtype == layout[1] and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("split_dtypes", ["members", "a_and_b"])
+def test_mixed_adapter_dtypes_make_each_gradient_in_its_own_dtype(split_dtypes, monkeypatch):
+    """A group whose adapters do not share one dtype (q's fp32 beside k's and v's bf16, or every A
+    fp32 beside bf16 B) cannot round all its gradients in one kernel: each goes through
+    lora_weight_grad with its own dtype, against float64."""
+    from fastlora_peft.functions import shared_input
+
+    layout = FUNCTION_LAYOUTS["fp32-adapters-on-bf16"]
+    bases, loras = _projections([(64, 64), (64, 128), (64, 128)], layout)
+    for index, lora in enumerate(loras):
+        a_dtype = FP32 if (split_dtypes == "a_and_b" or index == 0) else BF16
+        b_dtype = BF16 if (split_dtypes == "a_and_b" or index > 0) else FP32
+        a = lora.lora_a.detach().to(a_dtype).requires_grad_()
+        loras[index] = LoraWeights(a, lora.lora_b.detach().to(b_dtype).requires_grad_(), lora.scale)
+    grouped_calls = []
+    monkeypatch.setattr(shared_input, "lora_weight_grads", lambda *args: grouped_calls.append(args))
+    x = torch.randn(2, 9, 64).to(BF16).requires_grad_()
+    plan = plan_projection_dtypes(BF16, BF16, quantized=False, device_type="cpu")
+    outputs = fused_lora_projections(x, bases, loras, plan)
+    grads = [torch.randn_like(out) for out in outputs]
+    torch.autograd.backward(outputs, grads)
+    assert not grouped_calls
+    truths = _float64_grads(
+        x.reshape(-1, 64), bases, loras, [g.reshape(-1, g.shape[-1]) for g in grads], plan
+    )
+    got = [grad for lora in loras for grad in (lora.lora_a.grad, lora.lora_b.grad)]
+    params = [param for lora in loras for param in (lora.lora_a, lora.lora_b)]
+    for value, truth, param in zip(got, truths, params):
+        assert value.dtype == param.dtype
+        assert rel_err(value, truth) < (1e-5 if param.dtype == FP32 else 1e-2)
