@@ -416,14 +416,27 @@ def test_mixed_adapter_dtypes_make_each_gradient_in_its_own_dtype(split_dtypes, 
         b_dtype = BF16 if (split_dtypes == "a_and_b" or index > 0) else FP32
         a = lora.lora_a.detach().to(a_dtype).requires_grad_()
         loras[index] = LoraWeights(a, lora.lora_b.detach().to(b_dtype).requires_grad_(), lora.scale)
-    grouped_calls = []
+    grouped_calls, made = [], []
     monkeypatch.setattr(shared_input, "lora_weight_grads", lambda *args: grouped_calls.append(args))
+    weight_grad = shared_input.lora_weight_grad
+
+    def spy(*args, **kwargs):  # what each gradient comes out as, before autograd would cast it
+        result = weight_grad(*args, **kwargs)
+        made.append((kwargs["k_major"], result.dtype))
+        return result
+
+    monkeypatch.setattr(shared_input, "lora_weight_grad", spy)
     x = torch.randn(2, 9, 64).to(BF16).requires_grad_()
     plan = plan_projection_dtypes(BF16, BF16, quantized=False, device_type="cpu")
     outputs = fused_lora_projections(x, bases, loras, plan)
     grads = [torch.randn_like(out) for out in outputs]
     torch.autograd.backward(outputs, grads)
     assert not grouped_calls
+    # dB_i in lora_B_i's dtype; dA of the group in the A's dtype where they share one, else fp32
+    # (each member's slice then cast to its A's dtype).
+    a_dtypes = {lora.lora_a.dtype for lora in loras}
+    a_made = next(iter(a_dtypes)) if len(a_dtypes) == 1 else FP32
+    assert made == [(False, a_made)] + [(True, lora.lora_b.dtype) for lora in loras]
     truths = _float64_grads(
         x.reshape(-1, 64), bases, loras, [g.reshape(-1, g.shape[-1]) for g in grads], plan
     )
