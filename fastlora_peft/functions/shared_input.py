@@ -305,9 +305,13 @@ def shared_input_weight_grads(
     # made K-major so its transpose (lora_B's layout) is dense and autograd keeps it as it is.
     # (Plain tuples, laid out as WeightGradProblem: this runs in every backward.)
     problems = [(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
-    for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, rank_slices(loras)):
+    # A projection alone has all of xa's and dA's columns: no slicing views (a few us of host time).
+    slices = rank_slices(loras) if len(loras) > 1 else [None]
+    for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, slices):
         if need.lora_b:
-            problems.append((xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype))
+            problems.append(
+                (xa if ranks is None else xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype)
+            )
     problems += extra_weight_grads
     out_dtypes = {problem[4] for problem in problems}
     if len(problems) > 1 and len(out_dtypes) == 1 and None not in out_dtypes:
@@ -322,8 +326,11 @@ def shared_input_weight_grads(
     grad_a_all = weight_grads[0] if needs_a else None
     grad_bs = iter(weight_grads[1:] if needs_a else weight_grads)
     grad_loras = []
-    for lora, need, ranks in zip(loras, needs_loras, rank_slices(loras)):
-        grad_a = grad_a_all[ranks].to(lora.lora_a.dtype) if need.lora_a else None
+    for lora, need, ranks in zip(loras, needs_loras, slices):
+        grad_a = None
+        if need.lora_a:
+            grad_a = grad_a_all if ranks is None else grad_a_all[ranks]
+            grad_a = grad_a if grad_a.dtype == lora.lora_a.dtype else grad_a.to(lora.lora_a.dtype)
         grad_b = next(grad_bs).t() if need.lora_b else None
         grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
     return grad_loras, bias_grads(bases, needs_bases, grads_2d), extra

@@ -180,10 +180,18 @@ class _GroupLaunch(NamedTuple):
             group_outs.append(out)
         scratch = self.scratch
         partial, counters = split_scratch(device, *scratch) if scratch else (group_outs[0],) * 2
+        pad = self.pad
         self.launch(
-            *_slots([lefts[i] for i in members]), *_slots([xs[i] for i in members]), *_slots(group_outs),
-            partial, counters, *self.head, *_scale_slots([scales[i] for i in members]), *self.tail,
+            *[lefts[i] for i in members], *pad, *[xs[i] for i in members], *pad, *group_outs, *pad,
+            partial, counters, *self.head, *[float(scales[i]) for i in members], *pad, *self.tail,
         )  # fmt: skip
+
+    @property
+    def pad(self) -> tuple:
+        return _PADS[len(self.members)]
+
+
+_PADS = {problems: (None,) * (MAX_PROBLEMS - problems) for problems in range(1, MAX_PROBLEMS + 1)}
 
 
 class _SingleLaunch(NamedTuple):
