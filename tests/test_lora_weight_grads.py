@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, rel_err
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, rel_err, requires_interpreter
 from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  # noqa: F401
 
 from fastlora_peft.dtypes import plan_projection_dtypes
@@ -20,6 +20,7 @@ from fastlora_peft.functions.shared_input import fused_lora_projections
 from fastlora_peft.kernels import _launch
 from fastlora_peft.kernels import lora_weight_grad as single_module
 from fastlora_peft.kernels import lora_weight_grad_group as group_module
+from fastlora_peft.kernels._launch import cdiv
 from fastlora_peft.kernels.lora_weight_grad_group import (
     WeightGradGroupSettings,
     launch_groups,
@@ -32,14 +33,17 @@ needs_triton = pytest.mark.skipif(
     not (TRITON_INTERPRET or torch.cuda.is_available()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Token rows per step in the kernel tests: 8 gives several steps on tiny shapes under the interpreter;
+# a GPU's tl.dot wants a reduction of at least 16.
+TEST_BLOCK_M = 8 if DEVICE == "cpu" else 16
 
 
-def _problems(m, shapes, x_dtype, seed=0):
+def _problems(m, shapes, x_dtype, seed=0, device=DEVICE):
     """Per (rank, columns): a token-major fp32 left [m, rank] (as lora_shrink hands it out), an x [m,
     columns] of x_dtype, and a scale of its own."""
     generator = torch.Generator().manual_seed(seed)
-    lefts = [torch.randn(rank, m, generator=generator).T.to(DEVICE) for rank, _ in shapes]
-    xs = [torch.randn(m, columns, generator=generator).to(DEVICE, x_dtype) for _, columns in shapes]
+    lefts = [torch.randn(rank, m, generator=generator).T.to(device) for rank, _ in shapes]
+    xs = [torch.randn(m, columns, generator=generator).to(device, x_dtype) for _, columns in shapes]
     scales = [0.5 + i for i in range(len(shapes))]
     return lefts, xs, scales
 
@@ -65,8 +69,8 @@ def test_grouped_kernel_matches_float64(case, x_dtype, out_dtype, split):
     m, shapes, k_major = case
     lefts, xs, scales = _problems(m, shapes, x_dtype)
     outs = [group_module._new_out(r, k, km, out_dtype, DEVICE) for (r, k), km in zip(shapes, k_major)]
-    # 16-wide column tiles and 8-row steps: several tiles per problem, several steps per split.
-    group_module._launch_group(lefts, xs, scales, outs, split=split, block_m=8, block_k=16)
+    # 16-wide column tiles and short row steps: several tiles per problem, several steps per split.
+    group_module._launch_group(lefts, xs, scales, outs, split=split, block_m=TEST_BLOCK_M, block_k=16)
     tolerance = 1e-5 if out_dtype == FP32 else 1e-2
     for left, x, scale, out, km in zip(lefts, xs, scales, outs, k_major):
         assert out.dtype == out_dtype and out.T.is_contiguous() == km
@@ -84,9 +88,10 @@ def test_each_problem_keeps_its_split_partials_apart():
     m, shapes, k_major = GROUP_CASES[1]
     lefts, xs, scales = _problems(m, shapes, BF16)
     outs = [group_module._new_out(r, k, km, FP32, DEVICE) for (r, k), km in zip(shapes, k_major)]
-    launched = group_module._launch_group(lefts, xs, scales, outs, split=3, block_m=8, block_k=16)
-    rank, widths, rows_per_split = shapes[0][0], [k for _, k in shapes], 24  # 70 rows in 3 splits of 8s
-    partials = split_scratch(torch.device(DEVICE), 3 * rank * sum(widths), 1).partials
+    launched = group_module._launch_group(lefts, xs, scales, outs, split=3, block_m=TEST_BLOCK_M, block_k=16)
+    rank, widths = shapes[0][0], [k for _, k in shapes]
+    rows_per_split = cdiv(cdiv(m, 3), TEST_BLOCK_M) * TEST_BLOCK_M  # 70 rows in 3 splits of whole steps
+    partials = split_scratch(xs[0].device, 3 * rank * sum(widths), 1).partials  # the launch's scratch
     assert launched is None or launched[3] == (3 * rank * sum(widths), sum(-(-k // 16) for k in widths))
     start = 0
     for left, x, width, km in zip(lefts, xs, widths, k_major):
@@ -195,7 +200,8 @@ def test_group_plan_launches_what_the_launcher_would(recorded_launches, monkeypa
     monkeypatch.setattr(group_module, "runs_triton", lambda tensor: True)
 
     def make_inputs(seed):
-        lefts, xs, scales = _problems(600, [(12, 40), (4, 40), (4, 24), (4, 24)], BF16, seed)
+        # CPU tensors stand in for CUDA ones (recorded_launches), on any machine.
+        lefts, xs, scales = _problems(600, [(12, 40), (4, 40), (4, 24), (4, 24)], BF16, seed, device="cpu")
         return lefts, xs, [scale + seed for scale in scales], [False, True, True, True], BF16
 
     group_module._lora_weight_grads_body(*make_inputs(0))
@@ -260,7 +266,7 @@ def _float64_grads(x, bases, loras, grads, plan):
     return [param.grad for param in params]
 
 
-@needs_triton
+@requires_interpreter  # CPU tensors: on a GPU machine without the interpreter they take the reference
 @pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
 @pytest.mark.parametrize("case", ["o", "qkv"])
 def test_fused_projections_take_their_weight_grads_grouped(case, layout_id, triton_launches):
@@ -377,7 +383,7 @@ def test_grouped_kernel_compiles_to_lora_weight_grads_loads_and_dots_on_hopper()
         assert "cp.async.cg.shared.global 0x10" in compiled["group", block_r]  # x in 16-byte copies
 
 
-@needs_triton
+@requires_interpreter  # CPU tensors, as above
 @pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters"])
 def test_gated_mlp_makes_downs_db_with_gate_and_up_in_one_launch(layout_id, triton_launches, monkeypatch):
     """The MLP's backward: gate/up's dA (rank 2r) alone, and gate's, up's and down's dB in one grouped
