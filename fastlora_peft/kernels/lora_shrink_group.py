@@ -6,7 +6,7 @@ costing host time in blocks that are host-bound (docs/benchmarks.md). Here one l
 member's programs: each program picks its member from its split index (member 0's splits first),
 then runs `lora_shrink`'s loop over that member's columns of x. The members share M and the rank
 (one rank tile, one row tile) and are tiled as `lora_shrink` tiles each; the column splits are
-chosen for all the members' row blocks together (`group_splits`). The op and its choice of tiles
+chosen for all the members' row blocks together (`group_k_per_split`). The op and its choice of tiles
 live in `lora_terms`; this module holds the kernel and its launch.
 """
 

@@ -53,13 +53,14 @@ class WeightGradGroupSettings:
     enabled = True
 
 
-# A problem's numbers are picked at run time, and Triton turns an int argument of 1 into a constant,
-# whose type the branches that pick it would then disagree on. The output strides differ in that way
-# between problems (dA [R, K] row-major beside a K-major dB) and are read once per tile, so they are
-# not specialized. The rest are, for what the specialization tells the compiler: with K and x's row
-# stride multiples of 16, x's masked loads become 16-byte asynchronous copies (unspecialized K took
-# them to 4-byte loads in an sm_90 compile); `launch_groups` keeps the problems where one would be 1
-# out of groups. `tests/test_lora_weight_grads.py` compiles both kernels for sm_90 and compares.
+# A problem's numbers are picked at run time, and the picked value knows only what all problems'
+# values share. The output strides differ between problems (dA [R, K] row-major beside a K-major dB;
+# Triton would make the one that is 1 a constant) and are read once per tile: not specialized, so
+# one compiled kernel serves every mix of layouts. The rest are, for what the specialization tells
+# the compiler: with K and x's row stride multiples of 16, x's masked loads become 16-byte
+# asynchronous copies (K unspecialized took them to 2-byte loads in an sm_90 compile); a problem of
+# one column would take that from the whole launch, so `launch_groups` keeps it apart.
+# `tests/test_lora_weight_grads.py` compiles both kernels for sm_90 and compares.
 _UNSPECIALIZED = [f"{name}{i}" for name in ("stride_or", "stride_ok") for i in range(MAX_PROBLEMS)]
 
 
@@ -264,7 +265,8 @@ def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> 
     tiles, activation dtype, unit column stride) with lefts of one rank stride, in order, at most
     MAX_PROBLEMS per launch; any other problem alone: every problem with no tokens, rank or columns
     (lora_weight_grad answers with zeros), and one of a single column or an x whose row stride is 1
-    (Triton would make that K or stride a constant, which the kernel's per-problem pick cannot take)."""
+    (its K or stride, picked beside the others', would leave the launch's x loads without the
+    divisibility by 16 their 16-byte copies need)."""
     groups: dict[tuple, list[int]] = {}
     for index, (left, x) in enumerate(zip(lefts, xs)):
         (rows, rank), width = left.shape, x.shape[1]
