@@ -157,11 +157,12 @@ class _ShrinkConfig(NamedTuple):
     num_stages: int
 
 
-def _shrink_config(x: torch.Tensor, weight: torch.Tensor) -> _ShrinkConfig:
+def _shrink_config(x: torch.Tensor, weight: torch.Tensor, block_r: int | None = None) -> _ShrinkConfig:
+    """block_r: a rank tile the caller chose (tests, tuners), which the warps and wide tiles follow."""
     mode = dot_mode(x, weight)
     copy_weight = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
-    block_r = _rank_block(weight.shape[0], cap=128)
+    block_r = block_r or _rank_block(weight.shape[0], cap=128)
     block_m, block_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
     num_warps, num_stages = 8 if block_r > 64 else 4, 4
     if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
@@ -205,10 +206,10 @@ def _lora_shrink_triton(
     # copy and shrink at K=4096, 77.5 against 82.1 at K=14336 (H200, 8192 tokens, rank 16,
     # `session9/shrink_fp32_b_transposed_scratch.log`), about even over an MLP's three, while the copy
     # is one more op's host time in every projection's backward in PEFT's default layout.
-    config = _shrink_config(x, weight)
+    config = _shrink_config(x, weight, block_r)
     mode, weight_copied = config.mode, config.copy_weight
     weight = weight.contiguous() if weight_copied else weight
-    block_r = block_r or config.block_r
+    block_r = config.block_r
     block_m, block_k = block_m or config.block_m, block_k or config.block_k
     num_warps, num_stages = num_warps or config.num_warps, num_stages or config.num_stages
     row_blocks = cdiv(M, block_m)
@@ -425,8 +426,9 @@ def _shrinks_group(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) 
     """Whether a stacked shrink's members take one launch of `lora_shrink_group`'s kernel: 2 to
     MAX_MEMBERS of them, `ShrinkGroupSettings.enabled`, every member tiled as `lora_shrink` tiles the
     first (one dot mode, one rank, no weight copied) with weights of one set of strides, and each x of
-    unit column stride, more than one column and a row stride other than 1 (Triton would make a 1
-    there a constant, which the kernel's per-member pick cannot take)."""
+    unit column stride, more than one column and a row stride other than 1 (a 1 there, picked beside
+    the others', would leave the launch's x loads without the divisibility by 16 their 16-byte copies
+    need)."""
     if not (ShrinkGroupSettings.enabled and 1 < len(xs) <= MAX_GROUP_MEMBERS):
         return False
     config = _shrink_config(xs[0], weights[0])
