@@ -384,7 +384,7 @@ def test_grouped_kernel_compiles_to_lora_weight_grads_loads_and_dots_on_hopper()
 
 
 @requires_interpreter  # CPU tensors, as above
-@pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters"])
+@pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
 def test_gated_mlp_makes_downs_db_with_gate_and_up_in_one_launch(layout_id, triton_launches, monkeypatch):
     """The MLP's backward: gate/up's dA (rank 2r) alone, and gate's, up's and down's dB in one grouped
     launch; every adapter gradient bit for bit what one lora_weight_grad launch per gradient gives."""
