@@ -154,6 +154,39 @@ def test_grouped_launch_computes_what_lora_weight_grad_does(out_dtype, triton_la
         assert rel_err(got, _truth(left, x, scale)) < (1e-5 if out_dtype == FP32 else 1e-2)
 
 
+# (column tiles, tokens, splits) on an H200 at rank tile 16 (3 programs per SM, 132 SMs: 396 places):
+# the MLP's three dB (2 x 112 + 32 tiles), q/k/v's (32 + 8 + 8), o_proj's dA and dB (32 + 32).
+@pytest.mark.parametrize(
+    "tiles, tokens, splits",
+    [(256, 2048, 1), (256, 8192, 1), (48, 8192, 8), (48, 2048, 4), (64, 8192, 6), (64, 2048, 4)]
+    + [(500, 8192, 1)],
+)
+def test_group_split_keeps_the_programs_within_one_wave(tiles, tokens, splits, monkeypatch):
+    """Two programs per SM, lora_weight_grad's rule, split the MLP's dB in two: 512 programs against
+    396 places, measured slower than one (docs/benchmarks/session24/wgrad_split_probe.log)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(group_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(group_module, "_programs_per_sm", lambda device, shared: 233472 // shared)
+    shared = 3 * 64 * (128 * 2 + 16 * 4)  # three stages of a 64 x 128 bf16 x tile and a 64 x 16 fp32 left
+    assert group_module._group_split(tokens, tiles, shared, cuda) == splits
+
+
+def test_programs_per_sm_reads_the_devices_shared_memory(monkeypatch):
+    from types import SimpleNamespace
+
+    from fastlora_peft.kernels import _lora_common
+
+    count = _lora_common._programs_per_sm.__wrapped__
+    cuda = torch.device("cuda")
+    h200 = SimpleNamespace(shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    assert count(cuda, 63488) == 3  # the rank-16 tile's sm_90 compile
+    assert count(cuda, 212992) == 2  # the rank-64 tile's: one fits, two are assumed as before
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())
+    assert count(cuda, 63488) == 2  # not reported
+    assert count(torch.device("cpu"), 63488) == 2
+
+
 def test_reference_path_matches_lora_weight_grad():
     # float64 runs the reference everywhere (gradcheck); plain CPU tensors do outside the interpreter.
     generator = torch.Generator().manual_seed(3)

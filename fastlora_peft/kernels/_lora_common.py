@@ -27,6 +27,17 @@ def _num_sms(device: torch.device) -> int:
     return 1  # the interpreter runs programs one by one: no point splitting the work further
 
 
+@functools.cache
+def _programs_per_sm(device: torch.device, shared_bytes: int) -> int:
+    """Programs of `shared_bytes` of shared memory each that one SM of `device` holds at once, by
+    shared memory alone and at least 2 (what the token-split rules assumed before); 2 where torch does
+    not report the SM's shared memory."""
+    if device.type != "cuda":
+        return 2
+    per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0)
+    return max(2, per_sm // max(shared_bytes, 1))
+
+
 def _check_2d(op: str, name: str, tensor: torch.Tensor, layout: str) -> None:
     if tensor.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D {layout}, got shape {list(tensor.shape)}")

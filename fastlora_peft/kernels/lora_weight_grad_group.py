@@ -27,7 +27,7 @@ import triton.language as tl
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
-from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _rank_block
+from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _programs_per_sm, _rank_block
 from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
 from fastlora_peft.kernels.lora_weight_grad import (
     _MIN_ROWS_PER_SPLIT,
@@ -228,10 +228,10 @@ def _launch_group(
     """One launch of the grouped kernel for 1 to MAX_PROBLEMS problems of one rank, into `outs`.
 
     Returns (bound launch, its scalar arguments before and after the scales, its scratch sizes), or
-    None when interpreted. The
-    tiles are `_lora_weight_grad_triton`'s for each problem (`launch_groups` groups only problems it
-    tiles alike); the token splits give every SM two programs over all the group's tiles (keyword
-    arguments: tests' smaller tiles and forced splits)."""
+    None when interpreted. The tiles are `_lora_weight_grad_triton`'s for each problem
+    (`launch_groups` groups only problems it tiles alike); the token splits fill one wave of the
+    programs the SMs hold (`_group_split`; keyword arguments: tests' smaller tiles and forced
+    splits)."""
     M, R = lefts[0].shape
     widths = [x.shape[1] for x in xs]
     block_r = _rank_block(R, cap=64)
@@ -239,7 +239,8 @@ def _launch_group(
     k_tiles = sum(cdiv(width, block_k) for width in widths)
     r_tiles = cdiv(R, block_r)
     if split is None:
-        split = min(cdiv(2 * _num_sms(xs[0].device), k_tiles * r_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+        tile_bytes = block_m * (block_k * xs[0].element_size() + block_r * lefts[0].element_size())
+        split = _group_split(M, k_tiles * r_tiles, num_stages * tile_bytes, xs[0].device)
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     scratch = (split * R * sum(widths), k_tiles * r_tiles) if split > 1 else None
@@ -258,6 +259,24 @@ def _launch_group(
     if bound is None:
         return None
     return bound, numbers[: _SCALES.start], numbers[_SCALES.stop :], scratch
+
+
+def _group_split(M: int, tiles: int, shared_bytes: int, device: torch.device) -> int:
+    """Token splits of a grouped launch whose programs ask `shared_bytes` of shared memory each
+    (estimated: the pipeline's stages of the x and left tiles): as many as keep its programs within
+    one wave of the programs the SMs hold at once (at least one; none under _MIN_ROWS_PER_SPLIT rows).
+
+    `lora_weight_grad`'s rule (two programs per SM) left a group's programs just over one wave where
+    the SMs hold three: at rank tile 16 (63,488 bytes of shared memory per program in an sm_90
+    compile, three stages of the x and left tiles and 2 KB more) an H200 SM holds three, and the MLP's
+    three dB (256 column tiles) split in two made 512 programs against 396 places. H200, bf16 x, fp32
+    lefts, rank 16, kernel time in us back to back / with L2 flushed (`docs/benchmarks/session24/
+    wgrad_split_probe.log`): the MLP's dB at 2048 tokens 56.9 / 61.0 split in two, 51.0 / 46.1 in
+    one; at 8192 tokens 146.7 / 158.8 against 137.7 / 146.5; o_proj's dA and dB (64 tiles) at 8192
+    tokens 45.2 / 49.8 in five, 41.7 / 49.2 in six, 52.3 / 64.3 in eight (512 programs again).
+    """
+    slots = _programs_per_sm(device, shared_bytes) * _num_sms(device)
+    return max(1, min(slots // tiles, cdiv(M, _MIN_ROWS_PER_SPLIT)))
 
 
 def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
