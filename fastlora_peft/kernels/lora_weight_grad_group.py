@@ -272,8 +272,11 @@ def _group_split(M: int, tiles: int, shared_bytes: int, device: torch.device) ->
     three dB (256 column tiles) split in two made 512 programs against 396 places. H200, bf16 x, fp32
     lefts, rank 16, kernel time in us back to back / with L2 flushed (`docs/benchmarks/session24/
     wgrad_split_probe.log`): the MLP's dB at 2048 tokens 56.9 / 61.0 split in two, 51.0 / 46.1 in
-    one; at 8192 tokens 146.7 / 158.8 against 137.7 / 146.5; o_proj's dA and dB (64 tiles) at 8192
-    tokens 45.2 / 49.8 in five, 41.7 / 49.2 in six, 52.3 / 64.3 in eight (512 programs again).
+    one; at 8192 tokens 146.7 / 158.8 against 137.7 / 146.5 (this rule's pick, checked again in
+    `wgrad_split_check.log`: 73.8 / 64.9 against 48.2 / 48.0, and 148.6 / 157.4 against 137.7 /
+    146.0). o_proj's dA and dB (64 tiles) at 8192 tokens read 52.3 / 64.3 in eight splits (512
+    programs again); its five and six, and q/k/v's six and eight, read even over the two runs (these
+    short launches' times carry their host time).
     """
     slots = _programs_per_sm(device, shared_bytes) * _num_sms(device)
     return max(1, min(slots // tiles, cdiv(M, _MIN_ROWS_PER_SPLIT)))
