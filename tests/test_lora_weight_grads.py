@@ -171,6 +171,30 @@ def test_group_split_keeps_the_programs_within_one_wave(tiles, tokens, splits, m
     assert group_module._group_split(tokens, tiles, shared, cuda) == splits
 
 
+@needs_triton
+def test_grouped_launch_takes_its_split_from_group_split(monkeypatch):
+    """The launch asks `_group_split` (tokens, column tiles, one program's shared memory estimate) and
+    splits the tokens as it answers: the split scratch is that many partials, the results exact."""
+    m, shapes, k_major = GROUP_CASES[1]
+    lefts, xs, scales = _problems(m, shapes, BF16)
+    outs = [group_module._new_out(r, k, km, FP32, DEVICE) for (r, k), km in zip(shapes, k_major)]
+    asked, scratch_sizes = [], []
+    monkeypatch.setattr(group_module, "_group_split", lambda *args: asked.append(args) or 3)
+    real_scratch = group_module.split_scratch
+    monkeypatch.setattr(
+        group_module,
+        "split_scratch",
+        lambda device, *sizes: scratch_sizes.append(sizes) or real_scratch(device, *sizes),
+    )
+    group_module._launch_group(lefts, xs, scales, outs, block_m=TEST_BLOCK_M, block_k=16)
+    rank, widths = shapes[0][0], [k for _, k in shapes]
+    one_program = 3 * TEST_BLOCK_M * (16 * 2 + 16 * 4)  # 3 stages of a bf16 x tile and an fp32 left tile
+    assert asked == [(m, sum(-(-k // 16) for k in widths), one_program, xs[0].device)]
+    assert scratch_sizes[0][0] == 3 * rank * sum(widths)  # three splits' partials
+    for out, left, x, scale in zip(outs, lefts, xs, scales):
+        assert rel_err(out, _truth(left, x, scale)) < 1e-5
+
+
 def test_programs_per_sm_reads_the_devices_shared_memory(monkeypatch):
     from types import SimpleNamespace
 
