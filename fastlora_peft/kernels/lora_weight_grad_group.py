@@ -268,7 +268,8 @@ def _group_split(M: int, tiles: int, shared_bytes: int, device: torch.device) ->
 
     `lora_weight_grad`'s rule (two programs per SM) left a group's programs just over one wave where
     the SMs hold three: at rank tile 16 (63,488 bytes of shared memory per program in an sm_90
-    compile, three stages of the x and left tiles and 2 KB more) an H200 SM holds three, and the MLP's
+    compile, three stages of the x and left tiles and 2 KB more) an H200 SM's shared memory holds three
+    (registers not counted; the timings below fit three), and the MLP's
     three dB (256 column tiles) split in two made 512 programs against 396 places. H200, bf16 x, fp32
     lefts, rank 16, kernel time in us back to back / with L2 flushed (`docs/benchmarks/session24/
     wgrad_split_probe.log`): the MLP's dB at 2048 tokens 56.9 / 61.0 split in two, 51.0 / 46.1 in
