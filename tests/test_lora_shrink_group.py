@@ -16,7 +16,7 @@ from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  #
 from fastlora_peft.dtypes import plan_projection_dtypes
 from fastlora_peft.functions.shared_input import fused_lora_projections
 from fastlora_peft.kernels import _launch, lora_terms
-from fastlora_peft.kernels.dots import dot_precision
+from fastlora_peft.kernels.dots import NATIVE_DOT, SPLIT_DOT, dot_precision
 from fastlora_peft.kernels.lora_shrink_group import (
     ShrinkGroupSettings,
     group_k_per_split,
@@ -44,7 +44,7 @@ def _truth(xs, weights, scales):
 
 
 @needs_triton
-@pytest.mark.parametrize("k_per_split", [None, 16], ids=["whole", "split"])
+@pytest.mark.parametrize("k_per_split", [None, 16], ids=["by_rule", "split"])
 @pytest.mark.parametrize("x_dtype, weight_dtype", [(BF16, FP32), (BF16, BF16), (FP16, FP16), (FP32, BF16)])
 @pytest.mark.parametrize("widths", [(40, 17, 130), (33, 64)], ids=str)
 def test_grouped_kernel_matches_float64(widths, x_dtype, weight_dtype, k_per_split):
@@ -91,13 +91,83 @@ def test_each_member_keeps_its_split_partials_apart():
 
 
 def test_split_length_rule():
-    # Enough row blocks over the members: no split (the widest member's columns in 64-wide steps).
-    assert group_k_per_split([4096, 1024, 1024], row_blocks=128, block_k=64, sms=132) == 4096
-    # 2048 tokens: 32 row blocks of three members, every SM about two programs: 768 columns a split,
-    # so q's 4096 in 6 splits and k's and v's 1024 in 2 each (320 programs).
-    assert group_k_per_split([4096, 1024, 1024], row_blocks=32, block_k=64, sms=132) == 768
-    # At least four column steps a split.
+    # 8192 tokens, q/k/v with fp32 weights (64-column steps: 64, 16 and 16 of them, 128 row blocks):
+    # unsplit, 384 programs fall short of three per SM and q's run four times as long as k's and
+    # v's; q in two makes 512 programs of at most twice k's length.
+    assert group_k_per_split([4096, 1024, 1024], row_blocks=128, block_k=64, sms=132) == 2048
+    # bf16 weights (128-column steps, 256 row blocks): 768 programs, but q's four times k's length.
+    assert group_k_per_split([4096, 1024, 1024], row_blocks=256, block_k=128, sms=132) == 2048
+    # The MLP's gate/up (224 steps each): 128 row blocks want two splits a member (512 programs) ...
+    assert group_k_per_split([14336, 14336], row_blocks=128, block_k=64, sms=132) == 7168
+    # ... 256 row blocks (bf16 weights, 8192 tokens) are 512 programs unsplit.
+    assert group_k_per_split([14336, 14336], row_blocks=256, block_k=128, sms=132) == 14336
+    # 2048 tokens, q/k/v: q in ten splits of 7 steps, k and v in three: 32 x 16 = 512 programs (nine
+    # splits of 8 steps would be 384, short of 396).
+    assert group_k_per_split([4096, 1024, 1024], row_blocks=32, block_k=64, sms=132) == 448
+    # At least four column steps a split, however few the programs.
     assert group_k_per_split([512, 512], row_blocks=2, block_k=64, sms=132) == 256
+    # A widest member under eight steps stays whole (four steps a split at the least).
+    assert group_k_per_split([96, 64], row_blocks=1, block_k=16, sms=1) == 96
+
+
+def test_single_shrink_split_rule():
+    # bf16 weights: unsplit from one row block per SM; below, about two programs per SM.
+    assert lora_terms.shrink_splits(256, 32, NATIVE_DOT, 16, 132) == 1
+    assert lora_terms.shrink_splits(64, 112, NATIVE_DOT, 16, 132) == 5
+    # The split dot wants about three per SM: 256 row blocks (16384 tokens) split in two, 128 in four.
+    assert lora_terms.shrink_splits(256, 224, SPLIT_DOT, 16, 132) == 2
+    assert lora_terms.shrink_splits(128, 64, SPLIT_DOT, 32, 132) == 4
+    assert lora_terms.shrink_splits(396, 64, SPLIT_DOT, 16, 132) == 1
+    # ... not over a wide rank tile (its own launch, not measured): two per SM, as 16-bit weights.
+    assert lora_terms.shrink_splits(64, 64, SPLIT_DOT, 64, 132) == 5
+    assert lora_terms.shrink_splits(256, 64, SPLIT_DOT, 64, 132) == 1
+    # Splits of about four K steps at the least.
+    assert lora_terms.shrink_splits(16, 64, SPLIT_DOT, 16, 132) == 16
+    assert lora_terms.shrink_splits(1, 5, NATIVE_DOT, 16, 132) == 2
+
+
+@needs_triton
+def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
+    """The grouped launch asks `group_k_per_split` (widths, row blocks, column step, SMs) and splits as
+    it answers; a lone shrink asks `shrink_splits` (row blocks, column steps, dot mode, SMs): the
+    rules' own tests alone would pass with a launch that kept an old formula."""
+    from fastlora_peft.kernels import lora_shrink_group as group_module
+    from fastlora_peft.kernels import split_sum
+
+    m, widths = 37, (40, 17, 130)
+    xs, weights, scales = _members(m, widths, BF16, FP32)
+    # Plans off on the class, as the launch recorders do: an instance attribute set here would be
+    # restored as one (True on a GPU) and shadow their class-level switch in later tests.
+    monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)
+    asked, scratch_sizes = [], []
+    monkeypatch.setattr(group_module, "group_k_per_split", lambda *args: asked.append(args) or 48)
+    monkeypatch.setattr(lora_terms, "shrink_splits", lambda *args: asked.append(args) or 2)
+    real_scratch = split_sum.split_scratch
+
+    def recorded_scratch(device, *sizes):
+        scratch_sizes.append(sizes)
+        return real_scratch(device, *sizes)
+
+    for module in (group_module, lora_terms):
+        monkeypatch.setattr(module, "split_scratch", recorded_scratch)
+    got = lora_terms.lora_shrink_stacked(xs, weights, scales)
+    config = lora_terms._shrink_config(xs[0], weights[0])
+    sms = lora_terms._num_sms(xs[0].device)
+    row_blocks = -(-m // config.block_m)
+    assert asked == [(list(widths), row_blocks, config.block_k, sms)]
+    assert scratch_sizes == [((1 + 1 + 3) * m * 5, 3 * row_blocks)]  # 48 columns: 1, 1 and 3 splits
+    assert rel_err(got, _truth(xs, weights, scales)) < 1e-5
+    asked.clear(), scratch_sizes.clear()
+    got = lora_terms.lora_shrink(xs[2], weights[2], scales[2])
+    assert asked == [(row_blocks, -(-130 // config.block_k), config.mode, config.block_r, sms)]
+    assert scratch_sizes == [(2 * m * 5, row_blocks)]
+    assert rel_err(got, scales[2] * (xs[2].double() @ weights[2].double().T)) < 1e-5
+    # A q/k/v group's stacked A (rank 48): the rule is told its 64-wide rank tile.
+    asked.clear()
+    wide = torch.randn(48, 40, device=DEVICE)
+    got = lora_terms.lora_shrink(xs[0], wide)
+    assert asked == [(-(-m // 128), -(-40 // 64), lora_terms.SPLIT_DOT, 64, sms)]
+    assert rel_err(got, xs[0].double() @ wide.double().T) < 1e-5
 
 
 @pytest.mark.parametrize(

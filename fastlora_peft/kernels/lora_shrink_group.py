@@ -103,16 +103,33 @@ def _lora_shrink_group_kernel(
         tl.store(Out_ptr + offsets, scale * acc, mask=mask)
 
 
+# The grouped launch aims for this many programs per SM, its members' programs within BALANCE times
+# one another's length. H200, rank 16, every even split forced, kernel time from torch.profiler
+# (`docs/benchmarks/session25/shrink_group_sweep.log`), us: q/k/v's g_i @ B_i at 8192 tokens with
+# fp32 weights 48.3 unsplit (q's 128 programs walk 4096 columns, k's and v's 1024) against 36.8 with
+# q in two; at 4096 tokens 39.2 against 18.9 with q in four; MLP gate/up with fp32 weights at 8192
+# tokens 150.2 unsplit (256 programs) against 128.9 in two (512); bf16 weights at 8192 tokens
+# 109.0 unsplit (512 programs) against 130.8 in two. Summed over 20 shapes (1024-16384 tokens, both
+# groups and weight dtypes) this rule read 38.5 us over the fastest split of each when run after the
+# change (`shrink_group_sweep_after.log`), the rule before it 146.1: 1231 us in all against 1339.
+GROUP_PROGRAMS_PER_SM = 3
+GROUP_BALANCE = 2
+
+
 def group_k_per_split(widths: Sequence[int], row_blocks: int, block_k: int, sms: int) -> int:
-    """The columns of one split, for every member: all of the widest member's (no split) while the
-    members' row blocks together give every SM a program (at 8192 tokens three members' 128 row
-    blocks are 384 programs), else as `lora_shrink` splits one x: every SM about two programs over
-    all the members, each split at least four column steps long."""
-    widest = cdiv(max(widths), block_k) * block_k
-    if len(widths) * row_blocks >= sms:
-        return widest
-    step = cdiv(cdiv(row_blocks * sum(widths), 2 * sms), block_k) * block_k
-    return min(widest, max(4 * block_k, step))
+    """The columns of one split, for every member: the widest member cut evenly into the fewest splits
+    that give every SM about GROUP_PROGRAMS_PER_SM programs over all the members, each no longer than
+    GROUP_BALANCE times the narrowest member (which is not split further), and each at least four
+    column steps long (or the widest member whole, when it is shorter)."""
+    steps = [cdiv(width, block_k) for width in widths]
+    widest, narrowest = max(steps), min(steps)
+    length = widest
+    for count in range(1, widest // 4 + 1):  # count <= widest / 4: every split at least 4 steps
+        length = cdiv(widest, count)
+        programs = row_blocks * sum(cdiv(member, length) for member in steps)
+        if programs >= GROUP_PROGRAMS_PER_SM * sms and length <= GROUP_BALANCE * narrowest:
+            break
+    return length * block_k
 
 
 class ShrinkGroupLaunch(NamedTuple):

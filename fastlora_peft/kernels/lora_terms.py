@@ -145,6 +145,24 @@ _SHRINK_TILES = {
 _WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
+def shrink_splits(row_blocks: int, k_steps: int, mode: int, block_r: int, sms: int) -> int:
+    """How many splits `lora_shrink` cuts K into (about four K steps long at the least). With few row
+    blocks (a few thousand tokens) each program would walk all of K alone, latency-bound; the splits
+    give the SMs more programs, at the cost of fp32 partials of M * R * 4 bytes each. 16-bit weights
+    split only below one row block per SM, into about two programs per SM. The split dot (an fp32
+    weight against a 16-bit x) does more work per byte of x and wants more programs in flight: about
+    three per SM. H200, rank 16, each split forced (`docs/benchmarks/session25/shrink_group_sweep.log`),
+    split dot, us: K=14336 at 16384 tokens 152 unsplit against 129 in two; at 4096 tokens 44 in five
+    against 37 in eight; K=4096 at 16384 tokens 46 against 41. bf16 weights at 8192 tokens: unsplit
+    (256 row blocks) 19 / 57 us against 20 / 58 in two (K=4096 / 14336). Rank tiles over 32 (a q/k/v
+    group's stacked A) launch 8 warps over 128 rows with the split dot (`_WIDE_SPLIT_LAUNCH`), twice
+    the shared memory of the tile measured here: not measured, they keep the two per SM."""
+    per_sm, threshold = (3, 3) if mode == SPLIT_DOT and block_r <= 32 else (2, 1)
+    if row_blocks >= threshold * sms:
+        return 1
+    return min(cdiv(per_sm * sms, row_blocks), cdiv(k_steps, 4))
+
+
 class _ShrinkConfig(NamedTuple):
     """`lora_shrink`'s default launch for an x and a weight (see `_lora_shrink_triton`)."""
 
@@ -214,11 +232,7 @@ def _lora_shrink_triton(
     num_warps, num_stages = num_warps or config.num_warps, num_stages or config.num_stages
     row_blocks = cdiv(M, block_m)
     if split is None:
-        # Fewer row blocks than SMs (a few thousand tokens, a chunk of the MLP's down projection):
-        # each program would walk all of K alone, latency-bound. Split K so every SM gets about two
-        # programs, each still at least four K steps long; the fp32 partials are M * R * 4 bytes each.
-        sms = _num_sms(x.device)
-        split = 1 if row_blocks >= sms else min(cdiv(2 * sms, row_blocks), cdiv(K, 4 * block_k))
+        split = shrink_splits(row_blocks, cdiv(K, block_k), mode, block_r, _num_sms(x.device))
     k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
     split = cdiv(K, k_per_split)  # no empty splits
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
