@@ -564,6 +564,16 @@ def test_a_full_plan_cache_starts_over(recorded_launches, monkeypatch):
     assert len(lora_terms._SHRINK_PLANS.plans) == 1
 
 
+def test_plans_switch_only_on_the_class():
+    # An instance attribute would shadow the class's switch, which the launch recorders set: with
+    # pytest 9.1 (pytest-dev/pytest#10644), patching `enabled` on one instance left one behind.
+    plans = lora_terms._SHRINK_PLANS
+    with pytest.raises(AttributeError):
+        plans.enabled = False
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(AttributeError):
+        patch.setattr(plans, "enabled", False)
+
+
 @needs_cuda
 def test_planned_launches_compute_the_reference(triton_launches):
     """On the GPU: the second call of each op with new values of the same metadata runs from its plan

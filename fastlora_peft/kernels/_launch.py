@@ -358,7 +358,12 @@ class LaunchPlans:
     # plans are dropped and rebuilt as they recur, a miss costing one ordinary launch.
     MAX_PLANS = 4096
     # Under the interpreter no launch is bound (`CachedKernel.launch` returns None): nothing to plan.
+    # One switch for every launcher, on the class; the slots make setting it on one instance an
+    # error. Such an attribute would shadow the class's switch: pytest 9.1 restored one patched on
+    # an instance as an instance attribute (pytest-dev/pytest#10644), and three GPU tests that turn
+    # plans off on the class were then served plans (docs/gpu-results.md, twenty-fifth session).
     enabled = not TRITON_INTERPRET
+    __slots__ = ("name", "plans")
 
     def __init__(self, name: str) -> None:
         self.name = name
