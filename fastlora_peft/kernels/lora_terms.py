@@ -154,9 +154,12 @@ def shrink_splits(row_blocks: int, k_steps: int, mode: int, block_r: int, sms: i
     three per SM. H200, rank 16, each split forced (`docs/benchmarks/session25/shrink_group_sweep.log`),
     split dot, us: K=14336 at 16384 tokens 152 unsplit against 129 in two; at 4096 tokens 44 in five
     against 37 in eight; K=4096 at 16384 tokens 46 against 41. bf16 weights at 8192 tokens: unsplit
-    (256 row blocks) 19 / 57 us against 20 / 58 in two (K=4096 / 14336). Rank tiles over 32 (a q/k/v
-    group's stacked A) launch 8 warps over 128 rows with the split dot (`_WIDE_SPLIT_LAUNCH`), twice
-    the shared memory of the tile measured here: not measured, they keep the two per SM."""
+    (256 row blocks) 19 / 57 us against 20 / 58 in two (K=4096 / 14336). A 32-wide rank tile (a
+    gate/up group's stacked A) takes the rule on the shared-memory count alone (four stages of it
+    still fit three programs per SM; not measured). Rank tiles over 32 (a q/k/v group's stacked A)
+    launch 8 warps over 128 rows with the split dot (`_WIDE_SPLIT_LAUNCH`), twice the shared memory
+    of the tile measured here: not measured, they keep the two per SM. `python3
+    scratch_gpu/shrink_group_sweep.py --ranks` (session25/shrink_group_sweep.py.txt) times both."""
     per_sm, threshold = (3, 3) if mode == SPLIT_DOT and block_r <= 32 else (2, 1)
     if row_blocks >= threshold * sms:
         return 1
