@@ -101,8 +101,8 @@ def test_split_length_rule():
     assert group_k_per_split([14336, 14336], row_blocks=128, block_k=64, sms=132) == 7168
     # ... 256 row blocks (bf16 weights, 8192 tokens) are 512 programs unsplit.
     assert group_k_per_split([14336, 14336], row_blocks=256, block_k=128, sms=132) == 14336
-    # 2048 tokens, q/k/v: q in ten splits of 7 steps, k and v in three: 32 x 16 = 512 programs (nine
-    # splits of 8 steps would be 384, short of 396).
+    # 2048 tokens, q/k/v: q in ten splits of 7 steps, k and v in three: 32 x 16 = 512 programs
+    # (splits of 8 steps, q in eight, would make 384, short of 396).
     assert group_k_per_split([4096, 1024, 1024], row_blocks=32, block_k=64, sms=132) == 448
     # At least four column steps a split, however few the programs.
     assert group_k_per_split([512, 512], row_blocks=2, block_k=64, sms=132) == 256
@@ -129,15 +129,14 @@ def test_single_shrink_split_rule():
 @needs_triton
 def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     """The grouped launch asks `group_k_per_split` (widths, row blocks, column step, SMs) and splits as
-    it answers; a lone shrink asks `shrink_splits` (row blocks, column steps, dot mode, SMs): the
-    rules' own tests alone would pass with a launch that kept an old formula."""
+    it answers; a lone shrink asks `shrink_splits` (row blocks, column steps, dot mode, rank tile,
+    SMs): the rules' own tests alone would pass with a launch that kept an old formula."""
     from fastlora_peft.kernels import lora_shrink_group as group_module
     from fastlora_peft.kernels import split_sum
 
     m, widths = 37, (40, 17, 130)
     xs, weights, scales = _members(m, widths, BF16, FP32)
-    # Plans off on the class, as the launch recorders do: an instance attribute set here would be
-    # restored as one (True on a GPU) and shadow their class-level switch in later tests.
+    # Plans off (the class holds the one switch: `LaunchPlans`), so every launch asks its rule.
     monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)
     asked, scratch_sizes = [], []
     monkeypatch.setattr(group_module, "group_k_per_split", lambda *args: asked.append(args) or 48)

@@ -118,9 +118,10 @@ GROUP_BALANCE = 2
 
 def group_k_per_split(widths: Sequence[int], row_blocks: int, block_k: int, sms: int) -> int:
     """The columns of one split, for every member: the widest member cut evenly into the fewest splits
-    that give every SM about GROUP_PROGRAMS_PER_SM programs over all the members, each no longer than
-    GROUP_BALANCE times the narrowest member (which is not split further), and each at least four
-    column steps long (or the widest member whole, when it is shorter)."""
+    that give every SM about GROUP_PROGRAMS_PER_SM programs over all the members, each split no
+    longer than GROUP_BALANCE times the narrowest member's columns and at least four column steps
+    long (or the widest member whole, when it is shorter than that). Narrower members are cut into
+    splits of the same length."""
     steps = [cdiv(width, block_k) for width in widths]
     widest, narrowest = max(steps), min(steps)
     length = widest
