@@ -161,6 +161,13 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     assert asked == [(row_blocks, -(-130 // config.block_k), config.mode, config.block_r, sms)]
     assert scratch_sizes == [(2 * m * 5, row_blocks)]
     assert rel_err(got, scales[2] * (xs[2].double() @ weights[2].double().T)) < 1e-5
+    # 16-bit weights: the rule is told their dot mode (native on a GPU, fp32 dots when interpreted).
+    asked.clear()
+    bf16_weight = weights[2].to(BF16)
+    native = lora_terms._shrink_config(xs[2], bf16_weight)
+    assert native.mode != config.mode
+    lora_terms.lora_shrink(xs[2], bf16_weight)
+    assert asked == [(-(-m // native.block_m), -(-130 // native.block_k), native.mode, native.block_r, sms)]
     # A q/k/v group's stacked A (rank 48): the rule is told its 64-wide rank tile.
     asked.clear()
     wide = torch.randn(48, 40, device=DEVICE)
