@@ -112,25 +112,45 @@ def test_split_length_rule():
 
 def test_single_shrink_split_rule():
     # bf16 weights: unsplit from one row block per SM; below, about two programs per SM.
-    assert lora_terms.shrink_splits(256, 32, NATIVE_DOT, 16, 132) == 1
-    assert lora_terms.shrink_splits(64, 112, NATIVE_DOT, 16, 132) == 5
-    # The split dot wants about three per SM: 256 row blocks (16384 tokens) split in two, 128 in four.
-    assert lora_terms.shrink_splits(256, 224, SPLIT_DOT, 16, 132) == 2
-    assert lora_terms.shrink_splits(128, 64, SPLIT_DOT, 32, 132) == 4
-    assert lora_terms.shrink_splits(396, 64, SPLIT_DOT, 16, 132) == 1
-    # ... not over a wide rank tile (its own launch, not measured): two per SM, as 16-bit weights.
-    assert lora_terms.shrink_splits(64, 64, SPLIT_DOT, 64, 132) == 5
-    assert lora_terms.shrink_splits(256, 64, SPLIT_DOT, 64, 132) == 1
+    assert lora_terms.shrink_splits(256, 32, NATIVE_DOT, 132, 4) == 1
+    assert lora_terms.shrink_splits(64, 112, NATIVE_DOT, 132, 4) == 5
+    # The split dot fills one wave of what the SMs hold, and no more: rank 16 (four per SM, 528
+    # places) at 16384 tokens in two (512 programs; three made 768, a second wave) ...
+    assert lora_terms.shrink_splits(256, 224, SPLIT_DOT, 132, 4) == 2
+    # ... rank 32 (three per SM) at 8192 tokens in three (384 programs, where four made 512) ...
+    assert lora_terms.shrink_splits(128, 64, SPLIT_DOT, 132, 3) == 3
+    # ... and unsplit at 16384 (256 programs; two made 512).
+    assert lora_terms.shrink_splits(256, 64, SPLIT_DOT, 132, 3) == 1
+    # The wide rank tile (two per SM): 64 row blocks in four (256 programs of 264 places), 128 in two.
+    assert lora_terms.shrink_splits(64, 64, SPLIT_DOT, 132, 2) == 4
+    assert lora_terms.shrink_splits(128, 64, SPLIT_DOT, 132, 2) == 2
+    # More row blocks than places: one split.
+    assert lora_terms.shrink_splits(600, 64, SPLIT_DOT, 132, 4) == 1
     # Splits of about four K steps at the least.
-    assert lora_terms.shrink_splits(16, 64, SPLIT_DOT, 16, 132) == 16
-    assert lora_terms.shrink_splits(1, 5, NATIVE_DOT, 16, 132) == 2
+    assert lora_terms.shrink_splits(16, 64, SPLIT_DOT, 132, 4) == 16
+    assert lora_terms.shrink_splits(1, 5, NATIVE_DOT, 132, 4) == 2
+
+
+def test_shrink_programs_per_sm_from_the_tiles():
+    """The split dot's places per SM come from the tiles' shared memory: on an H200 (233,472 bytes
+    an SM) four programs of the rank-16 tile, three of rank 32's, two of the wide tile's."""
+    h200 = 233_472
+    for rank, per_sm in ((16, 4), (32, 3), (48, 2)):
+        x = torch.empty(8, 64, dtype=BF16)
+        config = lora_terms._shrink_config(x, torch.empty(rank, 64, dtype=FP32))
+        assert config.mode == lora_terms.SPLIT_DOT
+        shared = lora_terms.shrink_shared_bytes(
+            config.block_m, config.block_k, config.block_r, config.num_stages, 2, 4
+        )
+        assert h200 // shared == per_sm, (rank, shared)
 
 
 @needs_triton
 def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     """The grouped launch asks `group_k_per_split` (widths, row blocks, column step, SMs) and splits as
-    it answers; a lone shrink asks `shrink_splits` (row blocks, column steps, dot mode, rank tile,
-    SMs): the rules' own tests alone would pass with a launch that kept an old formula."""
+    it answers; a lone shrink asks `shrink_splits` (row blocks, column steps, dot mode, SMs, and the
+    programs an SM holds by its tiles' shared memory): the rules' own tests alone would pass with a
+    launch that kept an old formula."""
     from fastlora_peft.kernels import lora_shrink_group as group_module
     from fastlora_peft.kernels import split_sum
 
@@ -141,6 +161,17 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     asked, scratch_sizes = [], []
     monkeypatch.setattr(group_module, "group_k_per_split", lambda *args: asked.append(args) or 48)
     monkeypatch.setattr(lora_terms, "shrink_splits", lambda *args: asked.append(args) or 2)
+    # The places per SM a lone shrink asks for, by shared memory: 7 stands for the answer.
+    shared_asked = []
+    monkeypatch.setattr(
+        lora_terms, "_programs_per_sm", lambda device, shared: shared_asked.append(shared) or 7
+    )
+
+    def shared_bytes(config, x_bytes, weight_bytes):
+        return lora_terms.shrink_shared_bytes(
+            config.block_m, config.block_k, config.block_r, config.num_stages, x_bytes, weight_bytes
+        )
+
     real_scratch = split_sum.split_scratch
 
     def recorded_scratch(device, *sizes):
@@ -158,21 +189,27 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     assert rel_err(got, _truth(xs, weights, scales)) < 1e-5
     asked.clear(), scratch_sizes.clear()
     got = lora_terms.lora_shrink(xs[2], weights[2], scales[2])
-    assert asked == [(row_blocks, -(-130 // config.block_k), config.mode, config.block_r, sms)]
+    assert asked == [(row_blocks, -(-130 // config.block_k), config.mode, sms, 7)]
+    assert shared_asked == [shared_bytes(config, 2, 4)]
     assert scratch_sizes == [(2 * m * 5, row_blocks)]
     assert rel_err(got, scales[2] * (xs[2].double() @ weights[2].double().T)) < 1e-5
     # 16-bit weights: the rule is told their dot mode (native on a GPU, fp32 dots when interpreted).
-    asked.clear()
+    asked.clear(), shared_asked.clear()
     bf16_weight = weights[2].to(BF16)
     native = lora_terms._shrink_config(xs[2], bf16_weight)
     assert native.mode != config.mode
     lora_terms.lora_shrink(xs[2], bf16_weight)
-    assert asked == [(-(-m // native.block_m), -(-130 // native.block_k), native.mode, native.block_r, sms)]
-    # A q/k/v group's stacked A (rank 48): the rule is told its 64-wide rank tile.
-    asked.clear()
+    steps = -(-130 // native.block_k)
+    assert asked == [(-(-m // native.block_m), steps, native.mode, sms, 7)]
+    assert shared_asked == [shared_bytes(native, 2, 2)]
+    # A q/k/v group's stacked A (rank 48): the places asked for are its wide tile's.
+    asked.clear(), shared_asked.clear()
     wide = torch.randn(48, 40, device=DEVICE)
     got = lora_terms.lora_shrink(xs[0], wide)
-    assert asked == [(-(-m // 128), -(-40 // 64), lora_terms.SPLIT_DOT, 64, sms)]
+    wide_config = lora_terms._shrink_config(xs[0], wide)
+    assert (wide_config.block_m, wide_config.block_r) == (128, 64)
+    assert asked == [(-(-m // 128), -(-40 // 64), lora_terms.SPLIT_DOT, sms, 7)]
+    assert shared_asked == [shared_bytes(wide_config, 2, 4)]
     assert rel_err(got, xs[0].double() @ wide.double().T) < 1e-5
 
 

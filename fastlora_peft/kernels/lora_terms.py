@@ -32,7 +32,14 @@ import triton.language as tl
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
-from fastlora_peft.kernels._lora_common import _check_2d, _check_devices, _check_dim, _num_sms, _rank_block
+from fastlora_peft.kernels._lora_common import (
+    _check_2d,
+    _check_devices,
+    _check_dim,
+    _num_sms,
+    _programs_per_sm,
+    _rank_block,
+)
 from fastlora_peft.kernels.dots import (
     FP32_DOT,
     NATIVE_DOT,
@@ -145,25 +152,39 @@ _SHRINK_TILES = {
 _WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
-def shrink_splits(row_blocks: int, k_steps: int, mode: int, block_r: int, sms: int) -> int:
+def shrink_splits(row_blocks: int, k_steps: int, mode: int, sms: int, split_dot_per_sm: int) -> int:
     """How many splits `lora_shrink` cuts K into (about four K steps long at the least). With few row
     blocks (a few thousand tokens) each program would walk all of K alone, latency-bound; the splits
-    give the SMs more programs, at the cost of fp32 partials of M * R * 4 bytes each. 16-bit weights
-    split only below one row block per SM, into about two programs per SM. The split dot (an fp32
-    weight against a 16-bit x) does more work per byte of x and wants more programs in flight: about
-    three per SM. H200, rank 16, each split forced (`docs/benchmarks/session25/shrink_group_sweep.log`),
-    split dot, us: K=14336 at 16384 tokens 152 unsplit against 129 in two; at 4096 tokens 44 in five
-    against 37 in eight; K=4096 at 16384 tokens 46 against 41. bf16 weights at 8192 tokens: unsplit
-    (256 row blocks) 19 / 57 us against 20 / 58 in two (K=4096 / 14336). A 32-wide rank tile (a
-    gate/up group's stacked A) takes the rule on the shared-memory count alone (four stages of it
-    still fit three programs per SM; not measured). Rank tiles over 32 (a q/k/v group's stacked A)
-    launch 8 warps over 128 rows with the split dot (`_WIDE_SPLIT_LAUNCH`), twice the shared memory
-    of the tile measured here: not measured, they keep the two per SM. `python3
-    scratch_gpu/shrink_group_sweep.py --ranks` (session25/shrink_group_sweep.py.txt) times both."""
-    per_sm, threshold = (3, 3) if mode == SPLIT_DOT and block_r <= 32 else (2, 1)
-    if row_blocks >= threshold * sms:
+    give the SMs more programs, at the cost of fp32 partials of M * R * 4 bytes each.
+
+    16-bit weights split only below one row block per SM, into about two programs per SM. The split
+    dot (an fp32 weight against a 16-bit x) does more work per byte of x and wants the SMs full: as
+    many splits as keep every program in one wave of the `split_dot_per_sm` programs an SM holds
+    (`shrink_shared_bytes`), the rule of the grouped weight gradients (`_group_split`). One program
+    past a wave costs a second wave; a split fewer costs a longer program. H200, each split forced
+    (kernel time, `docs/benchmarks/session25/shrink_group_sweep.log` and session26's
+    `shrink_group_sweep_ranks.log`), us: a group's stacked A at rank 32 (three programs per SM),
+    8192 tokens, 3 splits (384 programs) 31.5 against 40.5 in four (512); at 16384 tokens unsplit
+    63.7 against 73.6 in two. Rank 48 (the wide tile, two per SM) at 8192 tokens 36.2 in four (256
+    programs) against 49.0 in five; at 16384 tokens 63.8 in two against 84.3 in three. Rank 16 (four
+    per SM), K=14336: 16384 tokens 128.6 in two against 149.0 in three; 4096 tokens 37.3 in eight
+    against 41.4 in seven."""
+    most = cdiv(k_steps, 4)
+    if mode == SPLIT_DOT:
+        return max(1, min(split_dot_per_sm * sms // row_blocks, most))
+    if row_blocks >= sms:
         return 1
-    return min(cdiv(per_sm * sms, row_blocks), cdiv(k_steps, 4))
+    return min(cdiv(2 * sms, row_blocks), most)
+
+
+def shrink_shared_bytes(
+    block_m: int, block_k: int, block_r: int, num_stages: int, x_bytes: int, weight_bytes: int
+) -> int:
+    """Shared memory of one `lora_shrink` program, estimated: the pipeline's stages of its x and weight
+    tiles. The split rule counts programs per SM by it (`_lora_common._programs_per_sm`): on an H200
+    (228 KiB an SM) four at rank 16, three at rank 32 (64 x 64 tiles, four stages), two for the wide
+    tile (`_WIDE_SPLIT_LAUNCH`), with bf16 x and fp32 weights."""
+    return num_stages * (block_m * block_k * x_bytes + block_k * block_r * weight_bytes)
 
 
 class _ShrinkConfig(NamedTuple):
@@ -235,7 +256,11 @@ def _lora_shrink_triton(
     num_warps, num_stages = num_warps or config.num_warps, num_stages or config.num_stages
     row_blocks = cdiv(M, block_m)
     if split is None:
-        split = shrink_splits(row_blocks, cdiv(K, block_k), mode, block_r, _num_sms(x.device))
+        shared_bytes = shrink_shared_bytes(
+            block_m, block_k, block_r, num_stages, x.element_size(), weight.element_size()
+        )
+        per_sm = _programs_per_sm(x.device, shared_bytes)
+        split = shrink_splits(row_blocks, cdiv(K, block_k), mode, _num_sms(x.device), per_sm)
     k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
     split = cdiv(K, k_per_split)  # no empty splits
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
