@@ -3,6 +3,7 @@ disable/merge/unload/adapter switching with groups installed."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -217,3 +218,38 @@ def test_trainable_base_bias_is_fused():
     fast_bias = fast.base_model.model.attn.v_proj.base_layer.bias
     peft_bias = peft.base_model.model.attn.v_proj.base_layer.bias
     assert fast_bias.requires_grad and rel_err(fast_bias.grad, peft_bias.grad) < 1e-6
+
+
+def test_down_plans_h_as_every_member_planned_x():
+    """`GatedMlpGroup` asks only that gate, up and down plan x alike. down then plans h (of that
+    plan's output dtype) alike too, by `plan_projection_dtypes`' rules: an output dtype other than
+    x's is the autocast dtype of dense layers, for which a dense down plans (amp, amp) again, and a
+    4-bit layer returns x's dtype. Over every input dtype, autocast dtype, base dtype (a 4-bit
+    layer's compute dtype, None: the input's) and dense/4-bit mix, so a rule change that breaks this
+    fails here rather than fusing down under the wrong plan."""
+    import itertools
+
+    from fastlora_peft.dtypes import plan_projection_dtypes
+
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+
+    def plan(x_dtype, base_dtype, quantized):
+        compute = x_dtype if base_dtype is None else base_dtype
+        return plan_projection_dtypes(x_dtype, compute, quantized=quantized, device_type="cpu")
+
+    checked = 0
+    for amp in (None, torch.bfloat16, torch.float16):
+        context = torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext()
+        with context:
+            for x_dtype, gate_base, down_base in itertools.product(floats, (*floats, None), (*floats, None)):
+                for gate_quantized, down_quantized in itertools.product((False, True), repeat=2):
+                    if (gate_base is None and not gate_quantized) or (
+                        down_base is None and not down_quantized
+                    ):
+                        continue  # only a 4-bit layer may leave its compute dtype to the input
+                    members_plan = plan(x_dtype, gate_base, gate_quantized)
+                    if plan(x_dtype, down_base, down_quantized) != members_plan:
+                        continue  # the group runs member by member
+                    assert plan(members_plan.out_dtype, down_base, down_quantized) == members_plan
+                    checked += 1
+    assert checked > 50, checked
