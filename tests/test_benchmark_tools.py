@@ -220,3 +220,50 @@ def test_ab_tools_put_the_library_defaults_back():
     assert LoraAddmmSettings.group_forward and WeightGradGroupSettings.enabled and ShrinkGroupSettings.enabled
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
+
+
+def test_host_vs_gpu_smoke_prints_both_providers_host_columns():
+    command = [sys.executable, "-m", "benchmarks.host_vs_gpu", "--smoke", "--cases", "o:4", "--rounds", "1"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("o:4")]
+    assert [line.split()[3] for line in lines] == ["floor", "fastlora"], lines
+    assert all("host alone fwd" in line and "back to back host" in line for line in lines)
+
+
+def test_host_vs_gpu_prefills_the_queue_ahead_of_every_step_only_when_asked(monkeypatch):
+    """The prefilled reading is the events' reading with a sleep kernel queued before each step's
+    first event: the recorded order of calls shows it (CUDA replaced by recorders)."""
+    import torch
+
+    from benchmarks import host_vs_gpu
+    from benchmarks.harness import Step
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.index = len([c for c in calls if c[0] == "event"])
+            calls.append(("event", self.index))
+
+        def record(self):
+            calls.append(("record", self.index))
+
+        def elapsed_time(self, other):
+            return float(other.index - self.index)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("sleep", cycles)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append(("sync",)))
+    step = Step(
+        forward=lambda: calls.append(("forward",)), backward=lambda state: calls.append(("backward",))
+    )
+    reading = host_vs_gpu.event_times(step, repeats=2, prefill_cycles=123)
+    kinds = [call[0] for call in calls if call[0] != "event"]
+    assert kinds == ["sleep", "record", "forward", "record", "backward", "record"] * 2 + ["sync"]
+    assert all(call[1] == 123 for call in calls if call[0] == "sleep")
+    assert reading == host_vs_gpu.Reading(1.0, 1.0)
+    calls.clear()
+    host_vs_gpu.event_times(step, repeats=2)
+    assert not [call for call in calls if call[0] == "sleep"]
