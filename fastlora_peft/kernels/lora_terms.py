@@ -162,8 +162,9 @@ def shrink_splits(row_blocks: int, k_steps: int, mode: int, sms: int, split_dot_
     many splits as keep every program in one wave of the `split_dot_per_sm` programs an SM holds
     (`shrink_shared_bytes`), the rule of the grouped weight gradients (`_group_split`). One program
     past a wave costs a second wave; a split fewer costs a longer program. H200, each split forced
-    (kernel time, `docs/benchmarks/session25/shrink_group_sweep.log` and session26's
-    `shrink_group_sweep_ranks.log`), us: a group's stacked A at rank 32 (three programs per SM),
+    (kernel time, `docs/benchmarks/session25/shrink_group_sweep_after.log` and session26's
+    `shrink_group_sweep_ranks_contiguous_a.log`; the rule's picks timed after it in
+    `session26/shrink_sweep_after.log`), us: a group's stacked A at rank 32 (three programs per SM),
     8192 tokens, 3 splits (384 programs) 31.5 against 40.5 in four (512); at 16384 tokens unsplit
     63.7 against 73.6 in two. Rank 48 (the wide tile, two per SM) at 8192 tokens 36.2 in four (256
     programs) against 49.0 in five; at 16384 tokens 63.8 in two against 84.3 in three. Rank 16 (four
