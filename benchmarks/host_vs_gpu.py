@@ -15,7 +15,8 @@ steps each:
 events over prefilled is what the host adds to the suite's number. Where events exceed prefilled,
 the step is host-bound and only host time moves it; where they are equal, only GPU time does. On
 the H200 machine (docs/benchmarks.md, twenty-sixth session) the 2048-token MLP read 2.414 ms
-against 2.242 prefilled, q/k/v at 2048 tokens 1.881 against 0.370.
+against 2.242 prefilled, q/k/v at 2048 tokens 1.881 against 0.370 (the probe this tool was made
+from, `docs/benchmarks/session26/host_vs_gpu_probe.py.txt`; the tool itself has not run there yet).
 
 `--smoke` runs the CPU smoke shapes: no CUDA events and no sleep kernel there, so it prints the host
 columns only (tests/test_benchmark_tools.py).
@@ -24,6 +25,7 @@ columns only (tests/test_benchmark_tools.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -31,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import cases
-from .harness import Step
+from .harness import Clock, Step, _time_iterations
 
 # About 4 ms of sleep at the H200's clock: more than any case's host time per step, so the host
 # never catches up with the GPU inside a step.
@@ -47,26 +49,14 @@ class Reading(NamedTuple):
         return self.fwd_ms + self.bwd_ms
 
 
-def event_times(step: Step, repeats: int, prefill_cycles: int = 0) -> Reading:
-    """Median forward and backward times by CUDA events, each step optionally behind a sleep kernel."""
-    marks = []
-    for _ in range(repeats):
-        step.reset()
-        if prefill_cycles:
-            torch.cuda._sleep(prefill_cycles)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        events[0].record()
-        state = step.forward()
-        events[1].record()
-        step.backward(state)
-        events[2].record()
-        del state
-        marks.append(events)
-    torch.cuda.synchronize()
-    return Reading(
-        statistics.median(a.elapsed_time(b) for a, b, _ in marks),
-        statistics.median(b.elapsed_time(c) for _, b, c in marks),
-    )
+def event_times(step: Step, repeats: int, clock: Clock, prefill_cycles: int = 0) -> Reading:
+    """Median forward and backward times as the blocks suite takes them (`harness._time_iterations`),
+    each step optionally behind a sleep kernel queued in its reset, just before its first event."""
+    if prefill_cycles:
+        reset = step.reset
+        step = dataclasses.replace(step, reset=lambda: (reset(), torch.cuda._sleep(prefill_cycles)))
+    times = _time_iterations(step, clock, repeats)
+    return Reading(statistics.median(f for f, _ in times), statistics.median(b for _, b in times))
 
 
 def host_alone(step: Step, repeats: int, synchronize: Callable[[], None]) -> Reading:
@@ -110,6 +100,7 @@ def main() -> None:
     geo = cases.SMOKE if args.smoke else cases.LLAMA_8B
     device = torch.device("cpu" if args.smoke else "cuda")
     cuda = device.type == "cuda"
+    clock = Clock(device)
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     repeats = 2 if args.smoke else 10
     for spec in args.cases.split(","):
@@ -124,8 +115,8 @@ def main() -> None:
             synchronize()
             rounds = []
             for _ in range(args.rounds):
-                events = event_times(step, repeats) if cuda else None
-                prefilled = event_times(step, repeats, _PREFILL_CYCLES) if cuda else None
+                events = event_times(step, repeats, clock) if cuda else None
+                prefilled = event_times(step, repeats, clock, _PREFILL_CYCLES) if cuda else None
                 rounds.append(
                     (
                         events,

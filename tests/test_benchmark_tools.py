@@ -238,7 +238,7 @@ def test_host_vs_gpu_prefills_the_queue_ahead_of_every_step_only_when_asked(monk
     import torch
 
     from benchmarks import host_vs_gpu
-    from benchmarks.harness import Step
+    from benchmarks.harness import Clock, Step
 
     calls = []
 
@@ -259,11 +259,12 @@ def test_host_vs_gpu_prefills_the_queue_ahead_of_every_step_only_when_asked(monk
     step = Step(
         forward=lambda: calls.append(("forward",)), backward=lambda state: calls.append(("backward",))
     )
-    reading = host_vs_gpu.event_times(step, repeats=2, prefill_cycles=123)
+    clock = Clock(torch.device("cuda"))
+    reading = host_vs_gpu.event_times(step, 2, clock, prefill_cycles=123)
     kinds = [call[0] for call in calls if call[0] != "event"]
     assert kinds == ["sleep", "record", "forward", "record", "backward", "record"] * 2 + ["sync"]
     assert all(call[1] == 123 for call in calls if call[0] == "sleep")
     assert reading == host_vs_gpu.Reading(1.0, 1.0)
     calls.clear()
-    host_vs_gpu.event_times(step, repeats=2)
+    host_vs_gpu.event_times(step, 2, clock)
     assert not [call for call in calls if call[0] == "sleep"]
