@@ -38,6 +38,14 @@ def _programs_per_sm(device: torch.device, shared_bytes: int) -> int:
     return max(2, per_sm // max(shared_bytes, 1))
 
 
+def one_wave_splits(programs: int, slots: int, most: int) -> int:
+    """Splits of a launch of `programs` programs unsplit (each split multiplies them) that keep every
+    program within one wave of the `slots` the SMs hold at once: at least one, at most `most`. A
+    wave and a bit costs a second wave; one split fewer costs longer programs. The rule of the
+    grouped weight gradients' token splits and of `lora_shrink`'s K splits with the split dot."""
+    return max(1, min(slots // programs, most))
+
+
 def _check_2d(op: str, name: str, tensor: torch.Tensor, layout: str) -> None:
     if tensor.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D {layout}, got shape {list(tensor.shape)}")

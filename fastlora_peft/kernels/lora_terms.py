@@ -39,6 +39,7 @@ from fastlora_peft.kernels._lora_common import (
     _num_sms,
     _programs_per_sm,
     _rank_block,
+    one_wave_splits,
 )
 from fastlora_peft.kernels.dots import (
     FP32_DOT,
@@ -172,7 +173,7 @@ def shrink_splits(row_blocks: int, k_steps: int, mode: int, sms: int, split_dot_
     against 41.4 in seven."""
     most = cdiv(k_steps, 4)
     if mode == SPLIT_DOT:
-        return max(1, min(split_dot_per_sm * sms // row_blocks, most))
+        return one_wave_splits(row_blocks, split_dot_per_sm * sms, most)
     if row_blocks >= sms:
         return 1
     return min(cdiv(2 * sms, row_blocks), most)

@@ -27,7 +27,13 @@ import triton.language as tl
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
-from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _programs_per_sm, _rank_block
+from fastlora_peft.kernels._lora_common import (
+    _check_devices,
+    _num_sms,
+    _programs_per_sm,
+    _rank_block,
+    one_wave_splits,
+)
 from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
 from fastlora_peft.kernels.lora_weight_grad import (
     _MIN_ROWS_PER_SPLIT,
@@ -280,7 +286,7 @@ def _group_split(M: int, tiles: int, shared_bytes: int, device: torch.device) ->
     short launches' times carry their host time).
     """
     slots = _programs_per_sm(device, shared_bytes) * _num_sms(device)
-    return max(1, min(slots // tiles, cdiv(M, _MIN_ROWS_PER_SPLIT)))
+    return one_wave_splits(tiles, slots, cdiv(M, _MIN_ROWS_PER_SPLIT))
 
 
 def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
