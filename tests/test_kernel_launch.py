@@ -176,6 +176,29 @@ def test_cache_hits_call_the_c_launcher_directly_unless_a_launch_hook_is_registe
     assert len(calls) == 1 and len(seen) == 1
 
 
+def test_launch_hooks_registered_reads_both_chains_and_older_hook_values(monkeypatch):
+    """Runs on the CPU: a launch hook registered on either chain sends bound launches through
+    Triton's wrapper (which calls the hooks); so does an older Triton's plain callable, not None."""
+    from triton import knobs
+
+    from fastlora_peft.kernels import _launch
+
+    hook = lambda metadata: None  # noqa: E731
+    assert not _launch._launch_hooks_registered()
+    for chain in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        chain.add(hook)
+        try:
+            assert _launch._launch_hooks_registered()
+        finally:
+            chain.remove(hook)
+        assert not _launch._launch_hooks_registered()
+    runtime = type("Runtime", (), {})()
+    monkeypatch.setattr(_launch, "knobs", type("Knobs", (), {"runtime": runtime})())
+    for enter, exit_, registered in ((None, None, False), (hook, None, True), (None, hook, True)):
+        runtime.launch_enter_hook, runtime.launch_exit_hook = enter, exit_
+        assert _launch._launch_hooks_registered() is registered
+
+
 def _recording_fill(calls: list):
     """Triton's fill_tma_descriptor stood in: records its arguments, returns a token per call."""
 
