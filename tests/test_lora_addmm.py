@@ -165,6 +165,30 @@ def test_tma_takes_16_byte_rows_only():
     assert not tma_fits(a[:0], b) and not tma_fits(a[:, :0], b[:0])  # no rows, no K: no descriptor
 
 
+def test_transpose_check_reads_as_the_transposes_rows_check():
+    """`_transpose_fits_tma(w)` answers `_rows_fit_tma(w.t())` without the view, for K-major weights
+    and every way one can miss: a strided column, an unaligned start, stride or width."""
+    from fastlora_peft.kernels.lora_addmm import _rows_fit_tma, _transpose_fits_tma
+
+    storage = torch.zeros(2 * 96 * 80 + 8, dtype=BF16)
+    layouts = [
+        storage[: 96 * 80].view(96, 80).t(),  # a weight's transpose: fits
+        storage[1 : 1 + 96 * 80].view(96, 80).t(),  # start 2 bytes off
+        storage[: 96 * 80].view(96, 80)[:, :75].t(),  # rows of 150 bytes: stride fine, width not
+        storage[: 96 * 79].view(96, 79).t(),  # a row stride of 158 bytes
+        storage[8 : 8 + 96 * 80].view(96, 80).t(),  # start 16 bytes in: fits
+        storage[: 2 * 96 * 80].view(192, 80)[::2].t(),  # every other row: stride 320 bytes, fits
+        storage[: 96 * 80].view(96, 80),  # row-major: its transpose is not
+        storage[: 2 * 96 * 80].view(96, 160)[:, ::2].t(),  # neither stride is 1
+    ]
+    answers = [_transpose_fits_tma(w) for w in layouts]
+    assert answers == [_rows_fit_tma(w.t()) for w in layouts]
+    assert answers == [True, False, False, False, True, True, False, False]
+    for dtype in (torch.float16, torch.float32):
+        w = torch.zeros(64, 40, dtype=dtype).t()
+        assert _transpose_fits_tma(w) == _rows_fit_tma(w.t()) == True  # noqa: E712
+
+
 def test_empty_batch():
     a, b, left, right = _operands(0, 19, 33, 4, BF16, BF16, "dense", "row", "dense")
     assert lora_addmm(a, b, left, right, SCALE).shape == (0, 33)

@@ -374,6 +374,18 @@ def _rows_fit_tma(tensor: torch.Tensor) -> bool:
     )
 
 
+def _transpose_fits_tma(tensor: torch.Tensor) -> bool:
+    """`_rows_fit_tma(tensor.t())` without making the view: an op dispatched on the host each time,
+    and the checks run on every fused call (the group's three weights at each q/k/v forward)."""
+    size = tensor.element_size()
+    return (
+        tensor.stride(0) == 1
+        and (tensor.stride(1) * size) % 16 == 0
+        and tensor.data_ptr() % 16 == 0
+        and (tensor.shape[0] * size) % 16 == 0
+    )
+
+
 def _k_major(b: torch.Tensor) -> bool:
     """b [K, N] is the transpose of a row-major [N, K] (a weight in `x @ W.T`)."""
     return b.stride(0) == 1 and b.stride(1) != 1
@@ -384,8 +396,8 @@ def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a [N, K] tensor's transpose), the output's rows (N) 16-byte aligned, every row 16-byte aligned."""
     if a.dtype not in (torch.bfloat16, torch.float16) or a.numel() == 0 or b.numel() == 0:
         return False  # a descriptor needs every dimension > 0
-    b_rows = b.t() if _k_major(b) else b
-    return _rows_fit_tma(a) and _rows_fit_tma(b_rows) and (b.shape[1] * a.element_size()) % 16 == 0
+    b_fits = _transpose_fits_tma(b) if _k_major(b) else _rows_fit_tma(b)
+    return _rows_fit_tma(a) and b_fits and (b.shape[1] * a.element_size()) % 16 == 0
 
 
 def _lora_addmm_tma_triton(
@@ -406,6 +418,10 @@ def _lora_addmm_tma_triton(
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    # lora_a.T (rank dim strided) is copied first: the kernel reading it through its strides measured
+    # slower on the H200 than the copy and the kernel together (o_proj's dX 104.0 against 102.9 us at
+    # 2048 tokens, down's dh 1526 against 1498 at 8192; docs/benchmarks.md, twenty-seventh session),
+    # though the copy is an op and an allocation more on the host.
     right_copied = right.stride(1) != 1
     right = right.contiguous() if right_copied else right
     block_m, block_n, block_k, warps, stages = config or tma_config(M, N, a.device)

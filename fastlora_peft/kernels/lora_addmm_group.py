@@ -43,6 +43,7 @@ from fastlora_peft.kernels.lora_addmm import (
     _k_major,
     _rows_fit_tma,
     _tile_with_term,
+    _transpose_fits_tma,
     lora_addmm,
     tma_config,
     tma_programs,
@@ -122,7 +123,7 @@ def group_fits_tma(a: torch.Tensor, b: Sequence[torch.Tensor], left: Sequence[to
     if a.dtype not in _SIXTEEN_BIT or a.numel() == 0 or not _rows_fit_tma(a):
         return False
     for b_i, left_i in zip(b, left):
-        if b_i.dtype != a.dtype or b_i.numel() == 0 or not _k_major(b_i) or not _rows_fit_tma(b_i.t()):
+        if b_i.dtype != a.dtype or b_i.numel() == 0 or not _k_major(b_i) or not _transpose_fits_tma(b_i):
             return False
         if (b_i.shape[1] * a.element_size()) % 16 != 0 or left_i.stride() != left[0].stride():
             return False
