@@ -35,6 +35,7 @@ from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
+from ..kernels.lora_terms import lora_shrink
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import (
     FrozenBase,
@@ -45,6 +46,7 @@ from .frozen_base import (
 )
 from .shared_input import (
     WeightGradProblem,
+    base_outputs,
     bias_grads,
     group_lora_a_t,
     hoisted_grad_xa,
@@ -265,10 +267,12 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         bases, loras = unflatten_tensors(layout, tensors)
         x_2d = x.reshape(-1, x.shape[-1])
         # Gate and up without their LoRA terms: the activation kernel adds them (see _down_forward).
+        # Their GEMMs are launched first, then the LoRA shrink they do not need: where the host is
+        # slower than the GPU, the block's largest GEMMs start before the host spends its time on the
+        # cat and the shrink, instead of after.
+        pre_activations = base_outputs(x_2d, bases[:-1], plan)
         lora_a_t = group_lora_a_t(loras[:-1])
-        pre_activations, xa_in = shared_input_forward(
-            x_2d, bases[:-1], loras[:-1], plan, add_lora_terms=False, lora_a_t=lora_a_t
-        )
+        xa_in = lora_shrink(x_2d, loras[0].lora_a if lora_a_t is None else lora_a_t.t())
         gate, up = _gate_and_up(pre_activations)
         gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
         chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)

@@ -99,7 +99,6 @@ def shared_input_forward(
     plan: DtypePlan,
     x_lora_2d: Optional[torch.Tensor] = None,
     out: Optional[Sequence[torch.Tensor]] = None,
-    add_lora_terms: bool = True,
     lora_a_t: Optional[torch.Tensor] = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward.
@@ -107,8 +106,6 @@ def shared_input_forward(
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
     out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
     of a larger output), or None for new ones.
-    add_lora_terms: False returns the base outputs alone (of `plan.out_dtype`, in `out` when given),
-    for a caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation).
     lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to make it here.
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
@@ -116,7 +113,7 @@ def shared_input_forward(
     stacked_a = loras[0].lora_a if lora_a_t is None else lora_a_t.t()
     xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_a)
     weights = None  # every member's weight, where the grouped forward made them and then did not run
-    if add_lora_terms and out is None and 1 < len(bases) <= MAX_MEMBERS:
+    if out is None and 1 < len(bases) <= MAX_MEMBERS:
         grouped, weights = grouped_forward(x_compute, xa, bases, loras, plan, rank_slices(loras))
         if grouped is not None:
             return grouped, xa
@@ -125,7 +122,7 @@ def shared_input_forward(
         weight = materialize_weight(base, plan.compute_dtype) if weights is None else weights[index]
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         destination = None if out is None else out[index]
-        if add_lora_terms and destination is None and bias is None and LoraAddmmSettings.mode != "never":
+        if destination is None and bias is None and LoraAddmmSettings.mode != "never":
             # The term inside the GEMM (`lora_addmm`, x @ W.T as a K-major b) where it pays off: one
             # launch and no second pass over the output. (The mode is read first, so "never" pays no
             # host time here.)
@@ -140,15 +137,25 @@ def shared_input_forward(
         else:
             base_out = F.linear(x_compute, weight, bias)
         del weight  # a dequantized 4-bit weight goes before the next one is made (one at the peak)
-        if add_lora_terms:
-            result = _add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
-        else:
-            result = base_out.to(plan.out_dtype)
+        result = _add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
         if destination is not None and result is not destination:
             destination.copy_(result)
             result = destination
         outputs.append(result)
     return outputs, xa
+
+
+def base_outputs(x_2d: torch.Tensor, bases: Sequence[FrozenBase], plan: DtypePlan) -> list[torch.Tensor]:
+    """`x @ W_i.T + b_i` of every base, `[tokens, out_i]` of `plan.out_dtype`, without LoRA terms: for
+    a caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation)."""
+    x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
+    outputs = []
+    for base in bases:
+        weight = materialize_weight(base, plan.compute_dtype)
+        bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
+        outputs.append(F.linear(x_compute, weight, bias).to(plan.out_dtype))
+        del weight  # a dequantized 4-bit weight goes before the next one is made (one at the peak)
+    return outputs
 
 
 def _linear_into(destination, x, weight, bias) -> torch.Tensor:
