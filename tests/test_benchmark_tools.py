@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -230,6 +231,61 @@ def test_host_vs_gpu_smoke_prints_both_providers_host_columns():
     lines = [line for line in done.stdout.splitlines() if line.startswith("o:4")]
     assert [line.split()[3] for line in lines] == ["floor", "fastlora"], lines
     assert all("host alone fwd" in line and "back to back host" in line for line in lines)
+
+
+def test_host_timers_smoke_times_the_fused_functions_of_each_case():
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.host_timers",
+        "--smoke",
+        "--cases",
+        "o:4,mlp:4",
+        "--steps",
+        "2",
+    ]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sections = done.stdout.split("== ")[1:]
+    assert [section.split()[0] for section in sections] == ["o:4", "mlp:4"], done.stdout[-3000:]
+    functions = ("shared_input.LoraSharedInputFunction", "gated_mlp.LoraGatedMlpFunction")
+    for section, function in zip(sections, functions):
+        calls = {line.split()[-1]: line.split()[2] for line in section.splitlines()[1:]}
+        # Each block's Function ran once a step, forward and backward, under the timers.
+        assert calls[f"functions.{function}.forward"] == calls[f"functions.{function}.backward"] == "1.0x"
+
+
+def test_host_timers_put_every_function_back():
+    from benchmarks import host_timers
+
+    def snapshot():
+        names = {}
+        for module in host_timers._library_modules():
+            for name, value in vars(module).items():
+                names[(module.__name__, name)] = value
+                if isinstance(value, type) and value.__module__ == module.__name__:
+                    for attribute, member in vars(value).items():
+                        names[(module.__name__, name, attribute)] = member
+        names["torch.empty"], names["torch.cat"] = torch.empty, torch.cat
+        names["contiguous"] = torch.Tensor.contiguous
+        return names
+
+    before = snapshot()
+    timers = host_timers.Timers()
+    with host_timers.timed_library(timers) as wrapped:
+        from fastlora_peft.functions import shared_input
+
+        assert wrapped > 100 and torch.empty is not before["torch.empty"]
+        assert shared_input.rank_slices is not before[("fastlora_peft.functions.shared_input", "rank_slices")]
+        timers.on = True
+        shared_input.rank_slices([])
+        torch.empty(1)
+        timers.on = False
+        assert timers.calls == {"functions.shared_input.rank_slices": 1, "torch.empty": 1}
+    after = snapshot()
+    assert after.keys() == before.keys()
+    assert [key for key in before if after[key] is not before[key]] == []
 
 
 def test_host_vs_gpu_prefills_the_queue_ahead_of_every_step_only_when_asked(monkeypatch):
