@@ -26,12 +26,14 @@ requires_interpreter = pytest.mark.skipif(not TRITON_INTERPRET, reason="needs TR
 
 class OpCounter(TorchDispatchMode):
     """Counts the ops dispatched inside it by name: aten ops bare ("mm"), others with their namespace
-    ("fastlora.lora_shrink"); the names in `ignored` are not counted."""
+    ("fastlora.lora_shrink"); the names in `ignored` are not counted. `order` lists the counted
+    names in the order they were dispatched."""
 
     def __init__(self, ignored: frozenset[str] = frozenset()):
         super().__init__()
         self.ignored = ignored
         self.ops: Counter[str] = Counter()
+        self.order: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -39,6 +41,7 @@ class OpCounter(TorchDispatchMode):
             name = f"{func.namespace}.{name}"
         if name not in self.ignored:
             self.ops[name] += 1
+            self.order.append(name)
         return func(*args, **(kwargs or {}))
 
 

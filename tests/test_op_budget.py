@@ -222,23 +222,7 @@ def test_fused_step_with_the_tma_gemms_dispatches_its_budget(case, layout_id, mo
     assert backward_ops == backward_budget
 
 
-class _OpOrder(OpCounter):
-    """The dispatched ops' names in order (views left out), beside their counts."""
-
-    def __init__(self, ignored: frozenset[str] = frozenset()):
-        super().__init__(ignored)
-        self.order: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace != "aten":
-            name = f"{func.namespace}.{name}"
-        if name not in self.ignored:
-            self.order.append(name)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-@pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters"])
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
 def test_mlp_forward_launches_the_gate_up_gemms_before_the_lora_shrink(layout_id):
     """Where the host is slower than the GPU, the block's largest GEMMs should start before the host
     spends its time on the A's cat and the shrink, which only the activation's kernel needs."""
@@ -248,7 +232,7 @@ def test_mlp_forward_launches_the_gate_up_gemms_before_the_lora_shrink(layout_id
     pairs = [_projection(i, o, layout) for i, o in _MLP_SHAPES]
     x = torch.randn(TOKENS, HIDDEN, dtype=dtype)
     plan = plan_projection_dtypes(dtype, dtype, quantized=quantized, device_type="cpu")
-    with _OpOrder(_VIEW_OPS) as forward:
+    with OpCounter(_VIEW_OPS) as forward:
         _mlp(x, [p[0] for p in pairs], [p[1] for p in pairs], plan)
     order = forward.order
     gate_up_gemms = [index for index, name in enumerate(order) if name == "mm"][:2]
