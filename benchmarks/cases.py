@@ -233,6 +233,20 @@ def block_step(layer: nn.Module, block: str, x: torch.Tensor, grad_outs: list[to
     return Step(forward=lambda: block_outputs(layer, block, x), backward=backward, reset=reset)
 
 
+def add_block_case_arguments(parser, default_cases: str) -> None:
+    """`--cases block:tokens,...`, `--base` and `--adapters`: the options of the tools that time one
+    block at a time in this process (host_vs_gpu, host_timers). `block_cases` reads `--cases`."""
+    parser.add_argument("--cases", default=default_cases, help="block:tokens, comma-separated")
+    parser.add_argument("--base", default="bf16", choices=("bf16", "nf4"))
+    parser.add_argument("--adapters", default="fp32", choices=tuple(ADAPTER_DTYPES))
+
+
+def block_cases(spec: str) -> list[tuple[str, int]]:
+    """`"mlp:2048,o:8192"` -> `[("mlp", 2048), ("o", 8192)]`."""
+    pairs = [case.split(":") for case in spec.split(",")]
+    return [(block, int(tokens)) for block, tokens in pairs]
+
+
 def one_layer_block_step(
     geo: Geometry, block: str, provider: str, base: str, adapters: str, tokens: int, device: torch.device
 ) -> Step:

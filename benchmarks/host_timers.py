@@ -151,9 +151,7 @@ def _run(step) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="qkv:2048,mlp:2048,o:8192")
-    parser.add_argument("--base", default="bf16", choices=("bf16", "nf4"))
-    parser.add_argument("--adapters", default="fp32", choices=tuple(cases.ADAPTER_DTYPES))
+    cases.add_block_case_arguments(parser, "qkv:2048,mlp:2048,o:8192")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--min-us", type=float, default=4.0, help="leave out lines under this many us a step")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke shapes")
@@ -162,11 +160,9 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke else "cuda")
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     timers = Timers()
-    for spec in args.cases.split(","):
-        block, tokens = spec.split(":")
-        step = cases.one_layer_block_step(
-            geo, block, "fastlora", args.base, args.adapters, int(tokens), device
-        )
+    for block, tokens in cases.block_cases(args.cases):
+        spec = f"{block}:{tokens}"
+        step = cases.one_layer_block_step(geo, block, "fastlora", args.base, args.adapters, tokens, device)
         for _ in range(5):
             _run(step)
         plain = []

@@ -91,9 +91,7 @@ def back_to_back(step: Step, repeats: int, synchronize: Callable[[], None]) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="mlp:2048,qkv:2048,o:8192,qkv:8192")
-    parser.add_argument("--base", default="bf16", choices=("bf16", "nf4"))
-    parser.add_argument("--adapters", default="fp32", choices=tuple(cases.ADAPTER_DTYPES))
+    cases.add_block_case_arguments(parser, "mlp:2048,qkv:2048,o:8192,qkv:8192")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU smoke shapes, host columns only")
     args = parser.parse_args()
@@ -103,12 +101,9 @@ def main() -> None:
     clock = Clock(device)
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     repeats = 2 if args.smoke else 10
-    for spec in args.cases.split(","):
-        block, tokens = spec.split(":")
+    for block, tokens in cases.block_cases(args.cases):
         for provider in ("floor", "fastlora"):
-            step = cases.one_layer_block_step(
-                geo, block, provider, args.base, args.adapters, int(tokens), device
-            )
+            step = cases.one_layer_block_step(geo, block, provider, args.base, args.adapters, tokens, device)
             for _ in range(2 if args.smoke else 5):
                 step.reset()
                 step.backward(step.forward())
