@@ -365,24 +365,23 @@ def _lora_addmm_tma_kernel(
 
 def _rows_fit_tma(tensor: torch.Tensor) -> bool:
     """A 2-D tensor TMA can read: unit last stride, 16-byte aligned start and row stride."""
-    size = tensor.element_size()
-    return (
-        tensor.stride(1) == 1
-        and (tensor.stride(0) * size) % 16 == 0
-        and tensor.data_ptr() % 16 == 0
-        and (tensor.shape[1] * size) % 16 == 0
-    )
+    return _fits_tma(tensor, rows_dim=0)
 
 
 def _transpose_fits_tma(tensor: torch.Tensor) -> bool:
     """`_rows_fit_tma(tensor.t())` without making the view: an op dispatched on the host each time,
     and the checks run on every fused call (the group's three weights at each q/k/v forward)."""
-    size = tensor.element_size()
+    return _fits_tma(tensor, rows_dim=1)
+
+
+def _fits_tma(tensor: torch.Tensor, rows_dim: int) -> bool:
+    """Whether TMA can read `tensor` as rows along `rows_dim` (0: as it is; 1: its transpose)."""
+    size, unit_dim = tensor.element_size(), 1 - rows_dim
     return (
-        tensor.stride(0) == 1
-        and (tensor.stride(1) * size) % 16 == 0
+        tensor.stride(unit_dim) == 1
+        and (tensor.stride(rows_dim) * size) % 16 == 0
         and tensor.data_ptr() % 16 == 0
-        and (tensor.shape[0] * size) % 16 == 0
+        and (tensor.shape[unit_dim] * size) % 16 == 0
     )
 
 
