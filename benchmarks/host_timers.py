@@ -8,7 +8,7 @@ Every function and method defined in `fastlora_peft` (and `torch.empty`, `torch.
 calls; each step runs on an empty queue (synchronized before, outside the timers), so no line waits
 for the GPU. Printed per case: the step's host time without the timers (median), with them, and
 each function's microseconds and calls per step, largest first. Nested functions are all counted,
-so the lines overlap; each wrapped call adds the overhead printed at the top (0.7 us on the H200
+so the lines overlap; each wrapped call adds the overhead printed at the top (0.3-0.7 us on the H200
 machine's host), which inflates functions with many wrapped calls below them.
 
 `torch.autograd.Function.backward` runs on autograd's worker thread; the backward's time outside the
