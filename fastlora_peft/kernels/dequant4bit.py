@@ -15,6 +15,7 @@ nested statistics are ``fp32(fp32(nested_code[q] * nested_absmax) + offset)`` an
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -128,13 +129,13 @@ def _dequantize_4bit_triton(
     tensors = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
     plan_key = None
     if _DEQUANTIZE_PLANS.enabled:
-        settings = (blocksize, nested_blocksize, rows, cols, out_dtype, elements_per_program, num_warps)
-        plan_key = _DEQUANTIZE_PLANS.key(*tensors, *settings, bf16_by_bits)
+        plan_key = _dequantize_plan_key(
+            tensors, blocksize, nested_blocksize, rows, cols, out_dtype, elements_per_program, num_warps,
+            bf16_by_bits,
+        )  # fmt: skip
         plan = _DEQUANTIZE_PLANS.get(plan_key)
         if plan is not None:
-            out = torch.empty((rows, cols), dtype=out_dtype, device=plan.device) if out is None else out
-            plan.launch(*plan.arguments(tensors), out, *plan.sizes)
-            return out
+            return _run_dequantize_plan(plan, tensors, rows, cols, out_dtype, out)
     out = torch.empty((rows, cols), dtype=out_dtype, device=packed.device) if out is None else out
     numel = rows * cols
     if numel == 0:
@@ -201,6 +202,36 @@ class _DequantizePlan(NamedTuple):
 
 
 _DEQUANTIZE_PLANS = LaunchPlans("dequantize_4bit")
+
+
+def _dequantize_plan_key(
+    tensors: tuple,
+    blocksize: int,
+    nested_blocksize: int,
+    rows: int,
+    cols: int,
+    out_dtype: torch.dtype,
+    elements_per_program: int = _ELEMENTS_PER_PROGRAM,
+    num_warps: int = 4,
+    bf16_by_bits: bool | None = None,
+) -> tuple:
+    """The one key of a dequantize plan (the launcher's and the op body's lookups must agree); the
+    defaults are the launcher's, which the op body calls it with."""
+    settings = (blocksize, nested_blocksize, rows, cols, out_dtype, elements_per_program, num_warps)
+    return _DEQUANTIZE_PLANS.key(*tensors, *settings, bf16_by_bits)
+
+
+def _run_dequantize_plan(
+    plan: _DequantizePlan,
+    tensors: tuple,
+    rows: int,
+    cols: int,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    out = torch.empty((rows, cols), dtype=out_dtype, device=plan.device) if out is None else out
+    plan.launch(*plan.arguments(tensors), out, *plan.sizes)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -282,13 +313,26 @@ def _dequantize_4bit_eager(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The body of the ops ``dequantize_4bit`` and ``dequantize_4bit_``: checks, then the Triton
-    kernel or the reference. out: see `dequantize` (``dequantize_4bit_`` passes it)."""
+    kernel or the reference. out: see `dequantize` (``dequantize_4bit_`` passes it).
+
+    The launch plan is looked up before `_check_dequantize`, and a hit launches without it, as in
+    `lora_terms` (`_PLANS_SKIP_CHECKS` there): the checks read only what the plan's key holds (every
+    tensor's shape, dtype and device, the sizes and out_dtype), and a plan is made only by a launch
+    with the launcher's default settings, which this body reaches after its checks. A given `out`,
+    not in the key, is checked either way. A 4-bit q/k/v step dequantizes six times.
+    """
+    if out is not None:
+        _check_out(out, rows, cols, out_dtype, storage_start=True)
+    if _DEQUANTIZE_PLANS.serve(packed):
+        tensors = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
+        key = _dequantize_plan_key(tensors, blocksize, nested_blocksize, rows, cols, out_dtype)
+        plan = _DEQUANTIZE_PLANS.get(key)
+        if plan is not None:
+            return _run_dequantize_plan(plan, tensors, rows, cols, out_dtype, out)
     _check_dequantize(
         packed, absmax, code, nested_absmax, nested_code, nested_offset,
         blocksize, nested_blocksize, rows, cols, out_dtype,
     )  # fmt: skip
-    if out is not None:
-        _check_out(out, rows, cols, out_dtype, storage_start=True)
     if runs_triton(packed):
         return _dequantize_4bit_triton(
             packed=packed, absmax=absmax, code=code,
@@ -509,6 +553,68 @@ class Quant4bitState(NamedTuple):
             if packed.numel() * packed.element_size() < needed:
                 raise ValueError(f"Quant4bitState.from_bnb: packed weight has fewer than {needed} bytes")
         return state
+
+
+class BnbStateReader:
+    """`Quant4bitState.from_bnb(param)` of one layer's parameter, read again only when something that
+    reading depends on changed: a fused 4-bit forward asks for its state on every call, and reading it
+    makes tensor ops (`.float()`, a reshape) and attribute walks each time (6.5 us a call on the CPU
+    machine against 3.5 for this check; a q/k/v step reads three).
+
+    What `from_bnb` reads is compared by identity (the parameter, its quant state, the nested state
+    and every tensor of them), tensor version (an in-place change) and value (every other field).
+    The quant state's objects are small (scales, codes) and held, so an id compared is never one of a
+    freed object; the parameter (the packed weight) is held only weakly, so the reader never keeps a
+    replaced weight alive. bitsandbytes' `QuantState.to` replaces its tensors rather than moving them
+    in place, so a moved model reads again.
+    """
+
+    __slots__ = ("_param", "_held", "_signature", "_state")
+
+    def __init__(self) -> None:
+        self._param: weakref.ref | None = None
+        self._held: tuple = ()
+        self._signature: tuple | None = None
+        self._state: Quant4bitState | None = None
+
+    def __call__(self, param: torch.Tensor) -> Quant4bitState:
+        held, signature = _bnb_signature(param)
+        if signature == self._signature and self._param is not None and self._param() is param:
+            return self._state
+        state = Quant4bitState.from_bnb(param)
+        self._param, self._held, self._signature, self._state = weakref.ref(param), held, signature, state
+        return state
+
+    def __reduce__(self):
+        # Pickled or deep-copied (with its layer) as a new, empty reader: a weak reference does not
+        # pickle, and a copy reads its own parameter's state anyway.
+        return (BnbStateReader, ())
+
+
+def _bnb_signature(param: torch.Tensor) -> tuple[tuple, tuple]:
+    """(the quant state's objects `from_bnb(param)` reads, what the reader compares): ids, versions
+    and plain values only, so comparing two signatures never calls a tensor's `==`."""
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is None:
+        return (), (id(param), None)
+    nested = getattr(quant_state, "nested", False)
+    absmax, offset = quant_state.absmax, getattr(quant_state, "offset", None)
+    held = (quant_state, absmax, offset)
+    values = (
+        id(param), quant_state.quant_type, quant_state.shape, quant_state.blocksize, quant_state.dtype,
+        nested, getattr(quant_state, "packing_format_for_cpu", False), absmax._version,
+        offset._version if isinstance(offset, torch.Tensor) else offset,
+    )  # fmt: skip
+    if nested:
+        state2 = quant_state.state2
+        held += (state2, state2.absmax, state2.code)
+        values += (
+            getattr(state2, "dtype", None),
+            state2.blocksize,
+            state2.absmax._version,
+            state2.code._version,
+        )
+    return held, (*map(id, held), *values)
 
 
 def dequantize(

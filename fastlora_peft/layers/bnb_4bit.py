@@ -15,7 +15,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..functions.frozen_base import FrozenBase
-from ..kernels.dequant4bit import Quant4bitState
+from ..kernels.dequant4bit import BnbStateReader
 from .fused_projection import FusedProjectionMixin
 
 
@@ -29,7 +29,10 @@ class FastLoraLinear4bit(FusedProjectionMixin, PeftLoraLinear4bit):
         # bitsandbytes restores a quant state lost by some wrappers (FSDP) from the module; do the same.
         bnb.nn.modules.fix_4bit_weight_quant_state_from_module(base)
         weight = base.weight
-        return FrozenBase(weight.data, base.bias, Quant4bitState.from_bnb(weight))
+        reader = self.__dict__.get("fastlora_state_reader")
+        if reader is None:  # one per layer (not an nn.Module attribute: nothing to register or save)
+            reader = self.__dict__["fastlora_state_reader"] = BnbStateReader()
+        return FrozenBase(weight.data, base.bias, reader(weight))
 
     def base_compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         base = self.get_base_layer()
