@@ -337,3 +337,95 @@ def test_bad_inputs_raise(change: dict, message: str) -> None:
     args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
     with pytest.raises(ValueError, match=message):
         dequantize_4bit(**args)
+
+
+def _linear4bit(nested: bool, seed: int) -> "bnb.nn.Linear4bit":
+    torch.manual_seed(seed)
+    layer = bnb.nn.Linear4bit(
+        192, 64, bias=False, compute_dtype=torch.bfloat16, compress_statistics=nested, quant_type="nf4"
+    )
+    layer.weight.data = (torch.randn(64, 192) * 0.02).to(torch.bfloat16)
+    return layer.to(DEVICE)  # quantizes
+
+
+def _same_state(actual: Quant4bitState, expected: Quant4bitState) -> bool:
+    return all(torch.equal(a, e) if isinstance(a, torch.Tensor) else a == e for a, e in zip(actual, expected))
+
+
+@pytest.mark.parametrize("nested", (False, True), ids=("plain", "nested"))
+def test_state_reader_reads_once_and_again_on_any_change(nested: bool) -> None:
+    """BnbStateReader hands out one state while nothing from_bnb reads has changed, and reads again
+    when anything has: a replaced tensor, an in-place change, a replaced parameter, a changed field."""
+    layer = _linear4bit(nested, seed=0)
+    reader = dequant4bit.BnbStateReader()
+    param = layer.weight
+    first = reader(param)
+    assert _same_state(first, Quant4bitState.from_bnb(param))
+    assert reader(param) is first, "read again with nothing changed"
+
+    quant_state = param.quant_state
+    quant_state.absmax = quant_state.absmax.clone()  # what QuantState.to does: new tensors
+    after_replace = reader(param)
+    assert after_replace is not first and after_replace.absmax is quant_state.absmax
+    in_place = quant_state.state2.code if nested else quant_state.absmax
+    in_place.mul_(1.0)
+    assert reader(param) is not after_replace, "an in-place change was not seen"
+    current = reader(param)
+    quant_state.quant_type = "fp4"
+    assert reader(param).quant_type == "fp4" and reader(param).code is not current.code
+    quant_state.quant_type = "nf4"
+
+    other = _linear4bit(nested, seed=1)
+    assert _same_state(reader(other.weight), Quant4bitState.from_bnb(other.weight))
+    assert not torch.equal(dequantize(reader(other.weight), other.weight), dequantize(first, param))
+
+
+def test_state_reader_keeps_no_replaced_weight_alive_and_copies_empty() -> None:
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    layer = _linear4bit(nested=True, seed=0)
+    reader = dequant4bit.BnbStateReader()
+    reader(layer.weight)
+    gone = weakref.ref(layer.weight)
+    layer.weight = _linear4bit(nested=True, seed=1).weight
+    gc.collect()
+    assert gone() is None, "the reader kept the replaced packed weight alive"
+    for duplicate in (copy.deepcopy(reader), pickle.loads(pickle.dumps(reader))):
+        assert duplicate._state is None
+        assert _same_state(duplicate(layer.weight), Quant4bitState.from_bnb(layer.weight))
+
+
+def test_a_fused_4bit_layer_follows_a_replaced_weight() -> None:
+    """The layer's state reader must not serve the old weight's state after the weight is replaced:
+    the fused forward then computes with the new weight (lora_B nonzero, fused_only on)."""
+    from peft import get_peft_model
+
+    from fastlora_peft import FastLoraConfig
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = _linear4bit(nested=True, seed=0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    model = get_peft_model(Net(), FastLoraConfig(r=4, target_modules=["proj"], fused_only=True))
+    layer = model.base_model.model.proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.1)
+    x = torch.randn(5, 192, dtype=torch.bfloat16, device=DEVICE)
+    before = model(x)
+    replacement = _linear4bit(nested=True, seed=1)
+    layer.get_base_layer().weight = replacement.weight
+    after = model(x)
+    lora_term = (
+        layer.scaling["default"]
+        * (x.float() @ layer.lora_A["default"].weight.float().T)
+        @ (layer.lora_B["default"].weight.float().T)
+    )
+    dense = bnb_dequantize(replacement.weight.data, replacement.weight.quant_state).float()
+    torch.testing.assert_close(after.float(), x.float() @ dense.T + lora_term, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(before, after)

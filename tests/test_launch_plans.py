@@ -425,6 +425,14 @@ OP_CASES = {
         lora_addmm.lora_addmm, lora_addmm, "_check_lora_addmm",
         lambda seed: _tma_addmm_inputs(33, 72, 40, 16, torch.bfloat16, True, True, seed),
     ),
+    "dequantize_4bit": (
+        dequant4bit.dequantize_4bit, dequant4bit, "_check_dequantize",
+        lambda seed: _dequantize_inputs(33, 70, 128, True, torch.uint8, seed),
+    ),
+    "dequantize_4bit (not nested)": (
+        dequant4bit.dequantize_4bit, dequant4bit, "_check_dequantize",
+        lambda seed: _dequantize_inputs(7, 64, 64, False, torch.float32, seed),
+    ),
 }  # fmt: skip
 
 
@@ -504,6 +512,21 @@ def test_dequantize_plan_launches_what_the_launcher_would(recorded_launches, cas
         recorded_launches, dequant4bit._dequantize_4bit_triton, lambda seed: _dequantize_inputs(*case, seed)
     )
     assert launch[3] == 77
+
+
+def test_dequantize_into_a_given_out_checks_the_out_on_a_plan_hit(recorded_launches, monkeypatch):
+    """The out of `dequantize_4bit_` is not in the plan's key: a hit still checks it."""
+    monkeypatch.setattr(dequant4bit, "runs_triton", lambda tensor: True)
+    inputs = _dequantize_inputs(33, 70, 128, True, torch.uint8, seed=0)
+    out_dtype = inputs.pop("out_dtype")
+    dequant4bit.dequantize_4bit(**inputs, out_dtype=out_dtype)  # makes the plan
+    good = torch.empty(33, 70, dtype=out_dtype)
+    dequant4bit.dequantize_4bit_(good, **inputs)
+    assert len(_THROUGH_CACHE) == 1, "the out variant did not launch from the plan"
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        dequant4bit.dequantize_4bit_(torch.empty(70, 33, dtype=out_dtype).t(), **inputs)
+    with pytest.raises(ValueError, match="storage starts"):
+        dequant4bit.dequantize_4bit_(torch.empty(34, 70, dtype=out_dtype)[1:], **inputs)
 
 
 def test_dequantize_is_not_planned_when_the_launcher_converts_an_input(recorded_launches):
