@@ -364,12 +364,15 @@ def test_state_reader_reads_once_and_again_on_any_change(nested: bool) -> None:
     assert reader(param) is first, "read again with nothing changed"
 
     quant_state = param.quant_state
-    quant_state.absmax = quant_state.absmax.clone()  # what QuantState.to does: new tensors
+    # What QuantState.to does: new tensors. A plain fp16 absmax is converted by from_bnb (a copy).
+    quant_state.absmax = quant_state.absmax.clone() if nested else quant_state.absmax.half()
     after_replace = reader(param)
-    assert after_replace is not first and after_replace.absmax is quant_state.absmax
-    in_place = quant_state.state2.code if nested else quant_state.absmax
-    in_place.mul_(1.0)
-    assert reader(param) is not after_replace, "an in-place change was not seen"
+    assert after_replace is not first and _same_state(after_replace, Quant4bitState.from_bnb(param))
+    # In place, on a tensor from_bnb converts (the fp16 absmax; the nested code) or reads as it is.
+    for in_place in (quant_state.state2.code, quant_state.state2.absmax) if nested else (quant_state.absmax,):
+        in_place.mul_(2.0)
+        changed = reader(param)
+        assert _same_state(changed, Quant4bitState.from_bnb(param)), "an in-place change was not seen"
     current = reader(param)
     quant_state.quant_type = "fp4"
     assert reader(param).quant_type == "fp4" and reader(param).code is not current.code
