@@ -366,6 +366,8 @@ def test_state_reader_reads_once_and_again_on_any_change(nested: bool) -> None:
     quant_state = param.quant_state
     # What QuantState.to does: new tensors. A plain fp16 absmax is converted by from_bnb (a copy).
     quant_state.absmax = quant_state.absmax.clone() if nested else quant_state.absmax.half()
+    if nested:  # an fp16 nested code, converted by from_bnb too
+        quant_state.state2.code = quant_state.state2.code.half()
     after_replace = reader(param)
     assert after_replace is not first and _same_state(after_replace, Quant4bitState.from_bnb(param))
     # In place, on a tensor from_bnb converts (the fp16 absmax; the nested code) or reads as it is.
