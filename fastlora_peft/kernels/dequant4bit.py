@@ -562,7 +562,8 @@ class BnbStateReader:
     machine against 3.5 for this check; a q/k/v step reads three).
 
     What `from_bnb` reads is compared by identity (the parameter, its quant state, the nested state
-    and every tensor of them), tensor version (an in-place change) and value (every other field).
+    and every tensor of them), by version where `from_bnb` may hand out a converted copy (absmax, the
+    nested code, the offset: an in-place change of the original) and by value (every other field).
     The quant state's objects are small (scales, codes) and held, so an id compared is never one of a
     freed object; the parameter (the packed weight) is held only weakly, so the reader never keeps a
     replaced weight alive. bitsandbytes' `QuantState.to` replaces its tensors rather than moving them
@@ -611,7 +612,6 @@ def _bnb_signature(param: torch.Tensor) -> tuple[tuple, tuple]:
         values += (
             getattr(state2, "dtype", None),
             state2.blocksize,
-            state2.absmax._version,
             state2.code._version,
         )
     return held, (*map(id, held), *values)
