@@ -204,21 +204,15 @@ class _DequantizePlan(NamedTuple):
 _DEQUANTIZE_PLANS = LaunchPlans("dequantize_4bit")
 
 
-def _dequantize_plan_key(
-    tensors: tuple,
-    blocksize: int,
-    nested_blocksize: int,
-    rows: int,
-    cols: int,
-    out_dtype: torch.dtype,
-    elements_per_program: int = _ELEMENTS_PER_PROGRAM,
-    num_warps: int = 4,
-    bf16_by_bits: bool | None = None,
-) -> tuple:
-    """The one key of a dequantize plan (the launcher's and the op body's lookups must agree); the
-    defaults are the launcher's, which the op body calls it with."""
-    settings = (blocksize, nested_blocksize, rows, cols, out_dtype, elements_per_program, num_warps)
-    return _DEQUANTIZE_PLANS.key(*tensors, *settings, bf16_by_bits)
+# The launcher's defaults of (elements_per_program, num_warps, bf16_by_bits), the op body's launch.
+_DEFAULT_LAUNCH = (_ELEMENTS_PER_PROGRAM, 4, None)
+
+
+def _dequantize_plan_key(tensors: tuple, *settings) -> tuple:
+    """The one key of a dequantize plan, so the launcher's and the op body's lookups agree: the six
+    tensors, then (blocksize, nested_blocksize, rows, cols, out_dtype, elements_per_program,
+    num_warps, bf16_by_bits), the op body's last three `_DEFAULT_LAUNCH`."""
+    return _DEQUANTIZE_PLANS.key(*tensors, *settings)
 
 
 def _run_dequantize_plan(
@@ -325,7 +319,9 @@ def _dequantize_4bit_eager(
         _check_out(out, rows, cols, out_dtype, storage_start=True)
     if _DEQUANTIZE_PLANS.serve(packed):
         tensors = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
-        key = _dequantize_plan_key(tensors, blocksize, nested_blocksize, rows, cols, out_dtype)
+        key = _dequantize_plan_key(
+            tensors, blocksize, nested_blocksize, rows, cols, out_dtype, *_DEFAULT_LAUNCH
+        )
         plan = _DEQUANTIZE_PLANS.get(key)
         if plan is not None:
             return _run_dequantize_plan(plan, tensors, rows, cols, out_dtype, out)
