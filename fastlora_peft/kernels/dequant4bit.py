@@ -555,7 +555,7 @@ class BnbStateReader:
     """`Quant4bitState.from_bnb(param)` of one layer's parameter, read again only when something that
     reading depends on changed: a fused 4-bit forward asks for its state on every call, and reading it
     makes tensor ops (`.float()`, a reshape) and attribute walks each time (6.5 us a call on the CPU
-    machine against 3.5 for this check; a q/k/v step reads three).
+    machine against 2.3 for this check; a q/k/v step reads three).
 
     What `from_bnb` reads is compared by identity (the parameter, its quant state, the nested state
     and every tensor of them), by version where `from_bnb` may hand out a converted copy (absmax, the
