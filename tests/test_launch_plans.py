@@ -18,6 +18,7 @@ from conftest import _kernel_objects
 from fastlora_peft.kernels import (
     _launch,
     dequant4bit,
+    dequant4bit_group,
     dequant4bit_reference,
     gated_act_lora,
     gated_act_reference,
@@ -91,6 +92,7 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     gated_plans = (gated_forward._FORWARD_PLANS, gated_act_lora._WEIGHT_GRAD_PLANS)
     other_plans = (
         dequant4bit._DEQUANTIZE_PLANS,
+        dequant4bit_group._GROUP_PLANS,
         lora_augment._AUGMENTED_LEFT_PLANS,
         lora_addmm._TMA_PLANS,
         lora_addmm_sum._SUM_PLANS,
@@ -433,6 +435,14 @@ OP_CASES = {
         dequant4bit.dequantize_4bit, dequant4bit, "_check_dequantize",
         lambda seed: _dequantize_inputs(7, 64, 64, False, torch.float32, seed),
     ),
+    "dequantize_4bit_group": (
+        dequant4bit_group.dequantize_4bit_group, dequant4bit_group, "_check_group",
+        lambda seed: _dequantize_group_op_inputs(True, seed),
+    ),
+    "dequantize_4bit_group (not nested)": (
+        dequant4bit_group.dequantize_4bit_group, dequant4bit_group, "_check_group",
+        lambda seed: _dequantize_group_op_inputs(False, seed),
+    ),
 }  # fmt: skip
 
 
@@ -533,6 +543,60 @@ def test_dequantize_is_not_planned_when_the_launcher_converts_an_input(recorded_
     inputs = _dequantize_inputs(7, 64, 64, False, torch.float16, seed=0)
     dequant4bit._dequantize_4bit_triton(**inputs)
     assert dequant4bit._DEQUANTIZE_PLANS.plans == {}
+
+
+# A q/k/v-like group: three members of other shapes, nested or not (a member's shape is (rows, cols)).
+_GROUP_SHAPES = ((33, 70), (7, 64), (12, 64))
+
+
+def _dequantize_group_members(nested: bool, seed: int) -> list[dequant4bit_group.Member]:
+    members = []
+    for index, (rows, cols) in enumerate(_GROUP_SHAPES):
+        inputs = _dequantize_inputs(rows, cols, 64, nested, torch.float32, seed * 7 + index)
+        members.append(dequant4bit_group.Member(*(inputs[name] for name in dequant4bit_group.Member._fields)))
+    return members
+
+
+def _dequantize_group_op_inputs(nested: bool, seed: int) -> dict:
+    members = _dequantize_group_members(nested, seed)
+    inputs = {
+        name: [getattr(member, name) for member in members] for name in dequant4bit_group.Member._fields
+    }
+    return dict(inputs, blocksize=64, nested_blocksize=4 if nested else 0, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_dequantize_group_plan_passes_each_member_its_own_tensors(recorded_launches, count):
+    """A plan made where two members shared a tensor (the cached NF4 code, here every input alike)
+    must still pass each member of a later call its own tensors, and outputs made for that call."""
+    first = _dequantize_group_members(True, seed=0)[:count]
+    shared = [member._replace(code=first[0].code, nested_code=first[0].nested_code) for member in first]
+    dequant4bit_group._dequantize_4bit_group_triton(shared, 64, 4, torch.bfloat16)
+    assert len(_THROUGH_CACHE) == 1
+    second = _dequantize_group_members(True, seed=1)[:count]
+    second = [
+        member._replace(code=member.code.clone(), nested_code=member.nested_code.clone()) for member in second
+    ]
+    outs = dequant4bit_group._dequantize_4bit_group_triton(second, 64, 4, torch.bfloat16)
+    assert len(_THROUGH_CACHE) == 1, "call 2 did not launch from the plan"
+    _launch.LaunchPlans.enabled = False
+    dequant4bit_group._dequantize_4bit_group_triton(second, 64, 4, torch.bfloat16)
+    _launch.LaunchPlans.enabled = True
+    planned, unplanned = recorded_launches[1], recorded_launches[2]
+    inputs = [tensor for member in second for tensor in member[:6] if tensor is not None]
+    _same_launch(planned, unplanned, inputs)
+    tensors = [value for value in planned if isinstance(value, torch.Tensor)]
+    for slot in range(dequant4bit_group.MAX_MEMBERS):
+        member = min(slot, count - 1)
+        assert tensors[slot * 7 + 2] is second[member].code
+        assert tensors[slot * 7 + 6] is outs[member]
+
+
+def test_dequantize_group_is_not_planned_when_the_launcher_converts_an_input(recorded_launches):
+    members = _dequantize_group_members(False, seed=0)
+    members[1] = members[1]._replace(absmax=members[1].absmax.half())
+    dequant4bit_group._dequantize_4bit_group_triton(members, 64, 0, torch.bfloat16)
+    assert dequant4bit_group._GROUP_PLANS.plans == {}
 
 
 def test_plans_are_keyed_by_strides_alignment_dtype_and_device(recorded_launches, monkeypatch):

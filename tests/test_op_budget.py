@@ -135,11 +135,29 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16"])
+# 4-bit weights, dequantized once in the forward and once for dX: a group's weights that fit at once
+# by one group op (q/k/v; gate/up for dX, whose forward makes one base output at a time), the others
+# one by one.
+PER_MEMBER_DEQUANTIZE_BUDGET = {
+    "o": ({"fastlora.dequantize_4bit": 1}, {"fastlora.dequantize_4bit": 1}),
+    "qkv": ({"fastlora.dequantize_4bit_group": 1}, {"fastlora.dequantize_4bit_group": 1}),
+    "mlp": (
+        {"fastlora.dequantize_4bit": 3},
+        {"fastlora.dequantize_4bit_group": 1, "fastlora.dequantize_4bit": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters", "nf4-bf16-adapters"]
+)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_step_dispatches_its_budget(case, layout_id):
     run, shapes, forward_budget, backward_budget, casts = CASES[case]
     layout = LAYOUTS[layout_id]
+    if layout[2]:
+        forward_budget = {**forward_budget, **PER_MEMBER_DEQUANTIZE_BUDGET[case][0]}
+        backward_budget = {**backward_budget, **PER_MEMBER_DEQUANTIZE_BUDGET[case][1]}
     forward_ops, backward_ops = _counted_step(run, layout, shapes)
     assert forward_ops == forward_budget
     assert backward_ops == _with_casts(backward_budget, casts if layout[1] == BF16 else 0)
@@ -206,6 +224,10 @@ TMA_CASES = {
 }
 
 
+# 4-bit weights: o_proj's one weight by the single op; q/k/v's three by one group op each way.
+_DEQUANTIZE_BUDGET = {"o": {"fastlora.dequantize_4bit": 1}, "qkv": {"fastlora.dequantize_4bit_group": 1}}
+
+
 @pytest.mark.parametrize("layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters"])
 @pytest.mark.parametrize("case", list(TMA_CASES))
 def test_fused_step_with_the_tma_gemms_dispatches_its_budget(case, layout_id, monkeypatch):
@@ -215,9 +237,9 @@ def test_fused_step_with_the_tma_gemms_dispatches_its_budget(case, layout_id, mo
     run, shapes, *_ = CASES[case]
     forward_budget, backward_budget = TMA_CASES[case]
     forward_ops, backward_ops = _counted_step(run, LAYOUTS[layout_id], shapes)
-    if LAYOUTS[layout_id][2]:  # 4-bit: each weight dequantized once in the forward and once in dX
-        forward_budget = {**forward_budget, "fastlora.dequantize_4bit": len(shapes)}
-        backward_budget = {**backward_budget, "fastlora.dequantize_4bit": len(shapes)}
+    if LAYOUTS[layout_id][2]:  # 4-bit: the weights dequantized once in the forward and once in dX
+        forward_budget = {**forward_budget, **_DEQUANTIZE_BUDGET[case]}
+        backward_budget = {**backward_budget, **_DEQUANTIZE_BUDGET[case]}
     assert forward_ops == forward_budget
     assert backward_ops == backward_budget
 

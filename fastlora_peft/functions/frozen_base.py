@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -55,6 +55,26 @@ def materialize_weight(
     if out is not None:
         return out.copy_(weight)
     return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def materialize_weights(bases: Sequence[FrozenBase], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`materialize_weight(base, dtype)` of every base, the same bits; a group's 4-bit weights that
+    `dequant4bit_group.groups` takes (one model's q/k/v) from one launch instead of one each."""
+    if dequantizes_as_group(bases):
+        from ..kernels.dequant4bit_group import dequantize_group
+
+        weights = dequantize_group([base.quant for base in bases], [base.weight for base in bases])
+        return [weight if weight.dtype == dtype else weight.to(dtype) for weight in weights]
+    return [materialize_weight(base, dtype) for base in bases]
+
+
+def dequantizes_as_group(bases: Sequence[FrozenBase]) -> bool:
+    """Whether `materialize_weights` dequantizes these bases with one launch."""
+    if len(bases) < 2 or any(base.quant is None for base in bases):
+        return False
+    from ..kernels.dequant4bit_group import groups
+
+    return groups([base.quant for base in bases])
 
 
 def weight_is_materialized_fresh(base: FrozenBase, dtype: torch.dtype) -> bool:

@@ -15,7 +15,13 @@ import torch
 from ..dtypes import DtypePlan
 from ..kernels.lora_addmm_group import lora_addmm_group, lora_addmm_group_may_take, lora_addmm_group_pays_off
 from ..kernels.lora_addmm_sum import lora_addmm_sum, lora_addmm_sum_may_take, lora_addmm_sum_pays_off
-from .frozen_base import FrozenBase, LoraWeights, materialize_weight, weight_is_materialized_fresh
+from .frozen_base import (
+    FrozenBase,
+    LoraWeights,
+    dequantizes_as_group,
+    materialize_weights,
+    weight_is_materialized_fresh,
+)
 
 # The most bytes of weights a group's GEMM materializes at once (dequantized or cast). Llama-3.1-8B's
 # q/k/v dequantized take 48 MiB together; gate/up take 224 MiB, whose extra 112 MiB would lift the
@@ -33,6 +39,15 @@ def group_weights_fit(bases: Sequence[FrozenBase], plan: DtypePlan) -> bool:
     return fresh_bytes <= GROUP_FRESH_WEIGHT_BYTES
 
 
+def grouped_4bit_weights(bases: Sequence[FrozenBase], plan: DtypePlan) -> Optional[list[torch.Tensor]]:
+    """Every member's weight from one launch, for the per-member paths, where the members are 4-bit
+    weights that dequantize as a group and fit at once (a q/k/v group off the TMA GEMMs: on the CPU,
+    or with a bias); else None, and those paths materialize one weight at a time."""
+    if not dequantizes_as_group(bases) or not group_weights_fit(bases, plan):
+        return None
+    return materialize_weights(bases, plan.compute_dtype)
+
+
 def grouped_forward(
     x_compute: torch.Tensor,
     xa: torch.Tensor,
@@ -47,7 +62,7 @@ def grouped_forward(
         return None, None
     if not lora_addmm_group_may_take(x_compute, plan.out_dtype) or not group_weights_fit(bases, plan):
         return None, None
-    weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
+    weights = materialize_weights(bases, plan.compute_dtype)
     weights_t = [weight.t() for weight in weights]
     lefts = [xa[:, columns] for columns in ranks]
     if not lora_addmm_group_pays_off(x_compute, weights_t, lefts, plan.out_dtype):
@@ -73,7 +88,7 @@ def summed_grad_x(
     ):
         return None, None
     grads_compute = [grad.to(plan.compute_dtype) for grad in grads_2d]
-    weights = [materialize_weight(base, plan.compute_dtype) for base in bases]
+    weights = materialize_weights(bases, plan.compute_dtype)
     if not lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):
         return None, weights
     return lora_addmm_sum(grads_compute, weights, grad_xa, right_operand(), lora_scale), None

@@ -34,7 +34,7 @@ from ..kernels.lora_terms import (
 from ..kernels.lora_weight_grad_group import lora_weight_grads
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
-from .group_gemms import grouped_forward, summed_grad_x
+from .group_gemms import grouped_4bit_weights, grouped_forward, summed_grad_x
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
 # apply(x, x_lora, plan, layout, *tensors): the flattened tensors start here.
@@ -117,9 +117,11 @@ def shared_input_forward(
         grouped, weights = grouped_forward(x_compute, xa, bases, loras, plan, rank_slices(loras))
         if grouped is not None:
             return grouped, xa
+    if weights is None and len(bases) > 1:
+        weights = grouped_4bit_weights(bases, plan)
     outputs = []
     for index, (base, lora, ranks) in enumerate(zip(bases, loras, rank_slices(loras))):
-        weight = materialize_weight(base, plan.compute_dtype) if weights is None else weights[index]
+        weight, weights = _next_weight(base, plan, weights, index)
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         destination = None if out is None else out[index]
         if destination is None and bias is None and LoraAddmmSettings.mode != "never":
@@ -143,6 +145,17 @@ def shared_input_forward(
             result = destination
         outputs.append(result)
     return outputs, xa
+
+
+def _next_weight(
+    base: FrozenBase, plan: DtypePlan, weights: Optional[list], index: int
+) -> tuple[torch.Tensor, Optional[list]]:
+    """(member `index`'s weight, the rest): made now, or taken out of the group's `weights`, made
+    before, so that it is freed once the caller drops it, as a weight made now is."""
+    if weights is None:
+        return materialize_weight(base, plan.compute_dtype), None
+    weight, weights[index] = weights[index], None
+    return weight, weights
 
 
 def base_outputs(x_2d: torch.Tensor, bases: Sequence[FrozenBase], plan: DtypePlan) -> list[torch.Tensor]:
@@ -243,6 +256,8 @@ def shared_input_grad_x(
         grad_x, weights = summed_grad_x(grads_2d, grad_xa, lora_scale, bases, plan, x_dtype, right)
         if grad_x is not None:
             return grad_x
+    if weights is None and member is None and len(bases) > 1:
+        weights = grouped_4bit_weights(bases, plan)
     order = range(len(bases)) if member is None else [member, *(i for i in range(len(bases)) if i != member)]
     for index in order:
         base, grad = bases[index], grads_2d[index]
@@ -255,7 +270,7 @@ def shared_input_grad_x(
             term_pending = False
             del weight, grad_compute
             continue
-        weight = materialize_weight(base, plan.compute_dtype) if weights is None else weights[index]
+        weight, weights = _next_weight(base, plan, weights, index)
         if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
         elif term_pending and lora_addmm_pays_off(grad_compute, weight, x_dtype):

@@ -46,10 +46,26 @@ def _dequantize_4bit_kernel(
     NESTED: tl.constexpr, BF16_BY_BITS: tl.constexpr,
 ):  # fmt: skip
     """Out[e] = code[nibble(e)] * scale[e // BLOCKSIZE] for e < numel; byte i holds e = 2i (high), 2i+1."""
+    dequantize_blocks(
+        tl.program_id(0), Packed_ptr, Absmax_ptr, Code_ptr, NestedAbsmax_ptr, NestedCode_ptr,
+        NestedOffset_ptr, Out_ptr, numel, num_bytes, num_blocks,
+        BLOCKSIZE, NESTED_BLOCKSIZE, BLOCKS_PER_PROGRAM, NESTED, BF16_BY_BITS,
+    )  # fmt: skip
+
+
+@triton.jit
+def dequantize_blocks(
+    program, Packed_ptr, Absmax_ptr, Code_ptr, NestedAbsmax_ptr, NestedCode_ptr, NestedOffset_ptr,
+    Out_ptr, numel, num_bytes, num_blocks,
+    BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    NESTED: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """Program `program`'s share of one weight: blocks [program * BLOCKS_PER_PROGRAM, ...). The body of
+    `_dequantize_4bit_kernel` and of each member's programs in `dequant4bit_group`."""
     HALF_BLOCK: tl.constexpr = BLOCKSIZE // 2
     # The program's first block, widened to int64 before it meets an element count: a 128k x 16k
     # embedding has 2**31 elements. In-tile offsets stay int32 and move the 64-bit pointers.
-    first_block = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
+    first_block = program.to(tl.int64) * BLOCKS_PER_PROGRAM
     offs_block = tl.arange(0, BLOCKS_PER_PROGRAM)
     block_mask = offs_block < num_blocks - first_block
     if NESTED:
