@@ -203,3 +203,24 @@ def test_a_4bit_qkv_step_dequantizes_by_group(triton_launches) -> None:
     _counted_step(run, LAYOUTS["nf4-fp32-adapters"], shapes)
     assert triton_launches.get("_dequantize_4bit_group_kernel") == 2
     assert "_dequantize_4bit_kernel" not in triton_launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=_DTYPE_NAMES.get)
+def test_materialize_weights_gives_what_materialize_weight_does(dtype) -> None:
+    """The group's weights in the compute dtype: fp16 states (a model loaded in fp16) dequantized to
+    fp16, bit-exact, then cast where the layer computes in another dtype, as one weight is."""
+    from fastlora_peft.functions.frozen_base import (
+        FrozenBase,
+        dequantizes_as_group,
+        materialize_weight,
+        materialize_weights,
+    )
+
+    cases = _group_cases(True, 64, torch.float16, 3)
+    bases = [
+        FrozenBase(quantized(case)[0], None, Quant4bitState.from_bnb(quantized(case)[1], quantized(case)[0]))
+        for case in cases
+    ]
+    assert dequantizes_as_group(bases)
+    for weight, base in zip(materialize_weights(bases, dtype), bases):
+        assert_bitwise_equal(weight, materialize_weight(base, dtype))
