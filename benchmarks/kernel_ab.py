@@ -1,7 +1,8 @@
 """Kernel time of a library switch on and off, the two arms interleaved step by step in one profile.
 
-python -m benchmarks.kernel_ab [--switch augmented|plans|addmm|sum|group|wgrad|shrink | --against-floor]
-    [--block mlp] [--base nf4] [--adapters fp32] [--tokens 8192] [--steps 12] [--rows 25] [--smoke]
+python -m benchmarks.kernel_ab [--switch augmented|plans|addmm|sum|group|wgrad|shrink|dequant
+    | --against-floor] [--block mlp] [--base nf4] [--adapters fp32] [--tokens 8192] [--steps 12]
+    [--rows 25] [--smoke]
 
 Profiling one arm after the other read the GEMMs a change did not touch 1-7% apart on the H200 (its
 clock moves under load; docs/benchmarks.md, "Seventeenth session"), more than the change itself. Here

@@ -1,6 +1,6 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad|shrink] [--tokens 8192]
+python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad|shrink|dequant] [--tokens 8192]
     [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
@@ -19,7 +19,9 @@ expand-add elsewhere ("augmented" / "no_augmented"; `functions/augmented_k.py`);
 `kernels/lora_addmm.py`); `sum`, `LoraAddmmSettings.sum_members`: a group's dX as one
 `lora_addmm_sum` against lora_addmm + `addmm_` per further member (`kernels/lora_addmm_sum.py`);
 `group`, `LoraAddmmSettings.group_forward`: a group's forward GEMMs as one `lora_addmm_group` launch
-against one lora_addmm per member (`kernels/lora_addmm_group.py`).
+against one lora_addmm per member (`kernels/lora_addmm_group.py`); `dequant`,
+`DequantizeGroupSettings.enabled`: a 4-bit group's weights by one dequantize launch against one per
+weight (`kernels/dequant4bit_group.py`; only a 4-bit base, `--bases nf4`, has any).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels import lora_addmm
 from fastlora_peft.kernels._launch import LaunchPlans
+from fastlora_peft.kernels.dequant4bit_group import DequantizeGroupSettings
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
 from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
@@ -89,6 +92,12 @@ def set_wgrad(enabled: bool) -> None:
     WeightGradGroupSettings.enabled = enabled
 
 
+def set_dequant(enabled: bool) -> None:
+    """On: a 4-bit group's weights (q/k/v) dequantized by one launch (`dequantize_group`); off: one
+    launch per weight."""
+    DequantizeGroupSettings.enabled = enabled
+
+
 def set_shrink(enabled: bool) -> None:
     """On: a group's backward shrinks (`lora_shrink_stacked`) in one launch; off: one per member."""
     ShrinkGroupSettings.enabled = enabled
@@ -102,6 +111,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "group": set_group,
     "wgrad": set_wgrad,
     "shrink": set_shrink,
+    "dequant": set_dequant,
 }
 
 
@@ -113,6 +123,7 @@ def library_defaults() -> Callable[[], None]:
     plans, addmm_mode, min_tokens = LaunchPlans.enabled, LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens
     sum_members, group_forward = LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward
     grouped_weight_grads, grouped_shrinks = WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled
+    grouped_dequantize = DequantizeGroupSettings.enabled
 
     def restore() -> None:
         LaunchPlans.enabled = plans
@@ -120,6 +131,7 @@ def library_defaults() -> Callable[[], None]:
         LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens = addmm_mode, min_tokens
         LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward = sum_members, group_forward
         WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled = grouped_weight_grads, grouped_shrinks
+        DequantizeGroupSettings.enabled = grouped_dequantize
 
     return restore
 

@@ -40,7 +40,7 @@ def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
     assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
 
 
-@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink"])
+@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink", "dequant"])
 def test_plans_ab_times_both_arms_beside_the_floor(switch):
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
     command += ["--repeats", "1", "--rounds", "1", "--switch", switch]
@@ -200,6 +200,7 @@ def test_ab_tools_put_the_library_defaults_back():
     from fastlora_peft.functions import augmented_k, shared_input
     from fastlora_peft.kernels import lora_addmm
     from fastlora_peft.kernels._launch import LaunchPlans
+    from fastlora_peft.kernels.dequant4bit_group import DequantizeGroupSettings
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
     from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
     from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
@@ -214,6 +215,7 @@ def test_ab_tools_put_the_library_defaults_back():
         assert LoraAddmmSettings.mode == "never" and shared_input.augmented_member is plans_ab._no_member
         assert not LoraAddmmSettings.sum_members and not LoraAddmmSettings.group_forward
         assert not WeightGradGroupSettings.enabled and not ShrinkGroupSettings.enabled
+        assert not DequantizeGroupSettings.enabled
     finally:
         restore()
     assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
@@ -221,6 +223,7 @@ def test_ab_tools_put_the_library_defaults_back():
     assert LoraAddmmSettings.group_forward and WeightGradGroupSettings.enabled and ShrinkGroupSettings.enabled
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
+    assert DequantizeGroupSettings.enabled
 
 
 def test_host_vs_gpu_smoke_prints_both_providers_host_columns():

@@ -13,7 +13,6 @@ import torch
 from conftest import LaunchSpy
 from test_kernels_dequant4bit import (
     CASES,
-    TRITON_RUNS,
     Case,
     _random_inputs,
     assert_bitwise_equal,
@@ -23,6 +22,7 @@ from test_kernels_dequant4bit import (
 )
 
 from fastlora_peft.kernels import dequant4bit, dequant4bit_group, dequant4bit_reference
+from fastlora_peft.kernels._backend import runs_triton
 from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.dequant4bit import Quant4bitState
 from fastlora_peft.kernels.dequant4bit_group import Member, dequantize_group, groups
@@ -181,10 +181,13 @@ def test_mixed_nesting_raises() -> None:
         )
 
 
-def test_groups_needs_the_kernels_constants_alike() -> None:
+def test_groups_needs_the_kernels_constants_alike(monkeypatch) -> None:
     cases = _group_cases(True, 64, torch.bfloat16, 3)
     states = [Quant4bitState.from_bnb(quantized(case)[1], quantized(case)[0]) for case in cases]
     assert groups(states) and groups(states[:2])
+    monkeypatch.setattr(dequant4bit_group.DequantizeGroupSettings, "enabled", False)  # plans_ab's switch
+    assert not groups(states)
+    monkeypatch.undo()
     assert not groups(states[:1]) and not groups(states + states[:1])
     for change in ({"blocksize": 128}, {"nested_blocksize": 128}, {"dtype": torch.float16}):
         assert not groups([states[0], states[1]._replace(**change)]), change
@@ -192,10 +195,13 @@ def test_groups_needs_the_kernels_constants_alike() -> None:
     assert not groups([states[0], plain])
 
 
-@pytest.mark.skipif(not TRITON_RUNS, reason="counts launches of the Triton kernels")
+@pytest.mark.skipif(
+    not runs_triton(torch.empty(0)), reason="counts Triton launches of a CPU step (TRITON_INTERPRET=1)"
+)
 def test_a_4bit_qkv_step_dequantizes_by_group(triton_launches) -> None:
-    """A fused 4-bit q/k/v step (the per-member path on the CPU, the TMA GEMMs on a GPU) dequantizes
-    its three weights with one launch in the forward and one for dX, never with the single kernel."""
+    """A fused 4-bit q/k/v step (test_op_budget's, on CPU tensors: the per-member path) dequantizes
+    its three weights with one launch in the forward and one for dX, never with the single kernel.
+    On a GPU the TMA GEMMs' path does the same (test_op_budget's TMA budgets, by op)."""
     from test_op_budget import CASES as BUDGET_CASES
     from test_op_budget import LAYOUTS, _counted_step
 

@@ -290,10 +290,17 @@ def _(
     return [member.packed.new_empty((member.rows, member.cols), dtype=out_dtype) for member in members]
 
 
+class DequantizeGroupSettings:
+    """Whether a group's 4-bit weights are dequantized by one launch (read at every call). False
+    dequantizes them one launch each (`benchmarks.plans_ab --switch dequant`)."""
+
+    enabled = True
+
+
 def groups(states: Sequence[Quant4bitState]) -> bool:
     """Whether one `dequantize_group` takes these states: 2 to `MAX_MEMBERS` of them sharing the
     kernel's constants (blocksize, nesting, nested blocksize) and the dtype they dequantize to."""
-    if not 1 < len(states) <= MAX_MEMBERS:
+    if not DequantizeGroupSettings.enabled or not 1 < len(states) <= MAX_MEMBERS:
         return False
     first = states[0]
     return all(
