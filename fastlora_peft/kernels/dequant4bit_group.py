@@ -15,6 +15,7 @@ The members must share what the kernel takes as constants: blocksize, nesting an
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -94,8 +95,8 @@ class _GroupPlan(NamedTuple):
 
     launch: BoundLaunch
     device: torch.device
-    # For each tensor argument: which of the call's flattened member tensors it is, or -1 - i for the
-    # out made for member i.
+    # For each tensor argument: its index in the call's `_flat(members)`, or -1 - i for the out made
+    # for member i.
     sources: tuple[int, ...]
     sizes: tuple[tuple[int, ...], ...]  # per slot: numel, packed bytes, blocks
     programs: tuple[int, int]  # the first two members' program counts
@@ -103,16 +104,17 @@ class _GroupPlan(NamedTuple):
 
 _GROUP_PLANS = LaunchPlans("dequantize_4bit_group")
 
-_TENSORS_PER_MEMBER = 6
+_TENSORS_PER_MEMBER = 6  # Member's first fields; rows and cols follow
+_MEMBER_FIELDS = len(Member._fields)
 
 
-def _flat_tensors(members: Sequence[Member]) -> tuple:
-    return tuple(tensor for member in members for tensor in member[:_TENSORS_PER_MEMBER])
+def _flat(members: Sequence[Member]) -> tuple:
+    """Every member's fields in one tuple: member i's from i * len(Member._fields) on."""
+    return tuple(itertools.chain.from_iterable(members))
 
 
-def _group_plan_key(members: Sequence[Member], blocksize: int, nested_blocksize: int, out_dtype) -> tuple:
-    shapes = tuple(size for member in members for size in member[_TENSORS_PER_MEMBER:])
-    return _GROUP_PLANS.key(*_flat_tensors(members), *shapes, blocksize, nested_blocksize, out_dtype)
+def _group_plan_key(flat_members: tuple, blocksize: int, nested_blocksize: int, out_dtype) -> tuple:
+    return _GROUP_PLANS.key(*flat_members, blocksize, nested_blocksize, out_dtype)
 
 
 def _empty_outs(members: Sequence[Member], out_dtype: torch.dtype, device: torch.device) -> list:
@@ -131,10 +133,11 @@ def _dequantize_4bit_group_triton(
     defaults = elements_per_program == _ELEMENTS_PER_PROGRAM and bf16_by_bits is None
     plan_key = None
     if defaults and _GROUP_PLANS.enabled:
-        plan_key = _group_plan_key(members, blocksize, nested_blocksize, out_dtype)
+        flat_members = _flat(members)
+        plan_key = _group_plan_key(flat_members, blocksize, nested_blocksize, out_dtype)
         plan = _GROUP_PLANS.get(plan_key)
         if plan is not None:
-            return _run_group_plan(plan, members, out_dtype)
+            return _run_group_plan(plan, members, flat_members, out_dtype)
     outs = _empty_outs(members, out_dtype, device)
     nested = members[0].nested_absmax is not None
     blocks_per_program = max(1, elements_per_program // blocksize)
@@ -184,7 +187,7 @@ def _dequantize_4bit_group_triton(
         own = member[:_TENSORS_PER_MEMBER]
         for tensor in arguments[slot][:_TENSORS_PER_MEMBER]:
             index = _source_index(tensor, own)
-            sources.append(None if index is None else slot * _TENSORS_PER_MEMBER + index)
+            sources.append(None if index is None else slot * _MEMBER_FIELDS + index)
         sources.append(-1 - slot)  # the out made for member `slot`
     if plan_key is not None and bound is not None and None not in sources:
         plan = _GroupPlan(bound, device, tuple(sources), launched_sizes, (programs[0], programs[1]))
@@ -202,10 +205,9 @@ def _interleave(launched: list, launched_sizes: list) -> list:
     return values
 
 
-def _run_group_plan(plan: _GroupPlan, members: Sequence[Member], out_dtype: torch.dtype) -> list:
+def _run_group_plan(plan: _GroupPlan, members: Sequence[Member], flat_members: tuple, out_dtype) -> list:
     outs = _empty_outs(members, out_dtype, plan.device)
-    inputs = _flat_tensors(members)
-    tensors = [outs[-1 - source] if source < 0 else inputs[source] for source in plan.sources]
+    tensors = [outs[-1 - source] if source < 0 else flat_members[source] for source in plan.sources]
     plan.launch(*_interleave(tensors, plan.sizes), *plan.programs)
     return outs
 
@@ -245,9 +247,10 @@ def _dequantize_4bit_group_eager(
     """The op's body. As in `dequant4bit._dequantize_4bit_eager`, a plan hit launches without the
     checks: the key holds every tensor's shape, dtype and device, the sizes and the settings."""
     if members and _GROUP_PLANS.serve(members[0].packed):
-        plan = _GROUP_PLANS.get(_group_plan_key(members, blocksize, nested_blocksize, out_dtype))
+        flat_members = _flat(members)
+        plan = _GROUP_PLANS.get(_group_plan_key(flat_members, blocksize, nested_blocksize, out_dtype))
         if plan is not None:
-            return _run_group_plan(plan, members, out_dtype)
+            return _run_group_plan(plan, members, flat_members, out_dtype)
     _check_group(members, blocksize, nested_blocksize, out_dtype)
     if runs_triton(members[0].packed):
         return _dequantize_4bit_group_triton(members, blocksize, nested_blocksize, out_dtype)
