@@ -592,6 +592,27 @@ def test_dequantize_group_plan_passes_each_member_its_own_tensors(recorded_launc
         assert tensors[slot * 7 + 6] is outs[member]
 
 
+@pytest.mark.parametrize("member", [0, 1, 2])
+def test_dequantize_group_plans_are_keyed_by_every_member(recorded_launches, member):
+    """A member of other rows, or with an absmax of another dtype, is another plan, wherever it sits."""
+    members = _dequantize_group_members(False, seed=0)
+    dequant4bit_group._dequantize_4bit_group_triton(members, 64, 0, torch.bfloat16)
+    rows, cols = _GROUP_SHAPES[member]
+    taller = _dequantize_inputs(rows + 5, cols, 64, False, torch.float32, seed=9)
+    changes = [
+        dequant4bit_group.Member(*(taller[name] for name in dequant4bit_group.Member._fields)),
+        members[member]._replace(absmax=members[member].absmax.to(torch.bfloat16)),
+    ]
+    for launches, change in enumerate(changes, start=2):
+        other = list(members)
+        other[member] = change
+        outs = dequant4bit_group._dequantize_4bit_group_triton(other, 64, 0, torch.bfloat16)
+        assert len(_THROUGH_CACHE) == launches, "a call with another member was served the first plan"
+        assert outs[member].shape == (change.rows, cols)
+    sizes = [value for value in recorded_launches[1] if type(value) is int]
+    assert (rows + 5) * cols in sizes  # the taller member's element count reached the kernel
+
+
 def test_dequantize_group_is_not_planned_when_the_launcher_converts_an_input(recorded_launches):
     members = _dequantize_group_members(False, seed=0)
     members[1] = members[1]._replace(absmax=members[1].absmax.half())
