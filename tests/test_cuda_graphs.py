@@ -219,3 +219,61 @@ def test_model_compiled_with_cuda_graphs_matches_compiled_without(split_launches
     assert skips == 0, dict(torch._dynamo.utils.counters["inductor"])
     assert any(split_launches), "nothing split"
     assert_cached_counters_zero()
+
+
+class Nf4Attention(nn.Module):
+    """q/k/v as bitsandbytes NF4 layers reading one input: one shared-input group after injection."""
+
+    def __init__(self):
+        super().__init__()
+        import bitsandbytes as bnb
+
+        def nf4(out_features):
+            return bnb.nn.Linear4bit(
+                1024, out_features, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                compress_statistics=True, quant_storage=torch.uint8,
+            )  # fmt: skip
+
+        self.q_proj, self.k_proj, self.v_proj = nf4(1024), nf4(256), nf4(256)
+
+    @property
+    def dummy_inputs(self):
+        return {"x": torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)}
+
+    def forward(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+
+def test_nf4_qkv_group_in_make_graphed_callables_matches_eager(triton_launches):
+    """The group's one dequantize launch each way (`dequant4bit_group`) captured and replayed."""
+    torch.manual_seed(0)
+    base = Nf4Attention().cuda()  # bitsandbytes quantizes on the move
+    config = FastLoraConfig(
+        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj"], lora_dropout=0.0
+    )
+    eager = get_peft_model(base, config)  # fp32 adapters
+    assert eager.base_model.model.q_proj.__dict__.get("fastlora_group") is not None, "no q/k/v group"
+    randomize_lora(eager, seed=1, std=0.05)
+    graphed = copy.deepcopy(eager)
+    sample = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed_call = torch.cuda.make_graphed_callables(graphed, (sample,))
+    assert triton_launches.get("_dequantize_4bit_group_kernel", 0) >= 2  # forward and dX, captured
+    assert "_dequantize_4bit_kernel" not in triton_launches
+    for step in range(3):
+        x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+        grad_out = torch.randn(2048, 1536, device="cuda", dtype=torch.bfloat16)
+        results = {}
+        for name, call, model in (("graphed", graphed_call, graphed), ("eager", eager, eager)):
+            model.zero_grad(set_to_none=True)
+            x_leaf = x.clone().requires_grad_()
+            with count_lora_sublayer_calls(model) as sublayer_calls:
+                out = call(x_leaf)
+            assert not sublayer_calls, (name, sublayer_calls)
+            out.backward(grad_out)
+            results[name] = (out.detach(), x_leaf.grad, lora_grads(model))
+        (out_g, dx_g, grads_g), (out_e, dx_e, grads_e) = results["graphed"], results["eager"]
+        assert rel_err(out_g, out_e) <= 1e-5, step
+        assert rel_err(dx_g, dx_e) <= 1e-5, step
+        assert grads_g.keys() == grads_e.keys() and len(grads_e) == 6
+        for key in grads_e:
+            assert rel_err(grads_g[key], grads_e[key]) <= 1e-5, (step, key)
