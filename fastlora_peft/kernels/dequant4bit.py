@@ -156,20 +156,8 @@ def _dequantize_4bit_triton(
     numel = rows * cols
     if numel == 0:
         return out
-    if not packed.is_contiguous():
-        packed = packed.contiguous()
-    if packed.dtype != torch.uint8:
-        packed = packed.view(torch.uint8)  # quant_storage bf16/fp32...: the same bytes
-    code = _contiguous_as(code, torch.float32)
     nested = nested_absmax is not None
-    if nested:
-        absmax = _contiguous_as(absmax, torch.uint8)
-        nested_absmax = _contiguous_as(nested_absmax, torch.float32)
-        nested_code = _contiguous_as(nested_code, torch.float32)
-        nested_offset = _contiguous_as(nested_offset, torch.float32)
-    else:
-        absmax = _contiguous_as(absmax, torch.float32)  # fp16 absmax: exact, as bitsandbytes does
-        nested_absmax = nested_code = nested_offset = code  # never read
+    launched = kernel_inputs(*tensors)
     num_blocks = cdiv(numel, blocksize)
     blocks_per_program = max(1, elements_per_program // blocksize)
     grid = (cdiv(num_blocks, blocks_per_program),)
@@ -177,7 +165,6 @@ def _dequantize_4bit_triton(
     # On a GPU the plain cast (cvt.rn) is right and 10-15% faster than the integer rounding.
     if bf16_by_bits is None:
         bf16_by_bits = packed.device.type != "cuda"
-    launched = (packed, absmax, code, nested_absmax, nested_code, nested_offset)
     bound = _dequantize_4bit_kernel[grid](
         *launched, out,
         numel, (numel + 1) // 2, num_blocks,
@@ -195,6 +182,32 @@ def _dequantize_4bit_triton(
         sizes = (numel, (numel + 1) // 2, num_blocks)
         _DEQUANTIZE_PLANS.add(plan_key, _DequantizePlan(bound, packed.device, sources, sizes))
     return out
+
+
+def kernel_inputs(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    nested_absmax: torch.Tensor | None,
+    nested_code: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The six tensors as the kernel reads them: the caller's own where they already are (the usual
+    case, which a launch plan needs), else converted copies; without nesting, `code` in the three
+    nested slots (never read)."""
+    if not packed.is_contiguous():
+        packed = packed.contiguous()
+    if packed.dtype != torch.uint8:
+        packed = packed.view(torch.uint8)  # quant_storage bf16/fp32...: the same bytes
+    code = _contiguous_as(code, torch.float32)
+    if nested_absmax is None:
+        absmax = _contiguous_as(absmax, torch.float32)  # fp16 absmax: exact, as bitsandbytes does
+        return packed, absmax, code, code, code, code
+    absmax = _contiguous_as(absmax, torch.uint8)
+    nested_absmax = _contiguous_as(nested_absmax, torch.float32)
+    nested_code = _contiguous_as(nested_code, torch.float32)
+    nested_offset = _contiguous_as(nested_offset, torch.float32)
+    return packed, absmax, code, nested_absmax, nested_code, nested_offset
 
 
 def _source_index(tensor: torch.Tensor, inputs: tuple) -> int | None:

@@ -29,9 +29,9 @@ from fastlora_peft.kernels.dequant4bit import (
     _ELEMENTS_PER_PROGRAM,
     Quant4bitState,
     _check_dequantize,
-    _contiguous_as,
     _source_index,
     dequantize_blocks,
+    kernel_inputs,
 )
 
 MAX_MEMBERS = 3  # q/k/v
@@ -143,23 +143,9 @@ def _dequantize_4bit_group_triton(
     blocks_per_program = max(1, elements_per_program // blocksize)
     arguments, sizes, programs = [], [], []
     for member, out in zip(members, outs):
-        packed, absmax, code, nested_absmax, nested_code, nested_offset = member[:_TENSORS_PER_MEMBER]
-        if not packed.is_contiguous():
-            packed = packed.contiguous()
-        if packed.dtype != torch.uint8:
-            packed = packed.view(torch.uint8)  # quant_storage bf16/fp32...: the same bytes
-        code = _contiguous_as(code, torch.float32)
-        if nested:
-            absmax = _contiguous_as(absmax, torch.uint8)
-            nested_absmax = _contiguous_as(nested_absmax, torch.float32)
-            nested_code = _contiguous_as(nested_code, torch.float32)
-            nested_offset = _contiguous_as(nested_offset, torch.float32)
-        else:
-            absmax = _contiguous_as(absmax, torch.float32)
-            nested_absmax = nested_code = nested_offset = code  # never read
         numel = member.rows * member.cols
         num_blocks = cdiv(numel, blocksize)
-        arguments.append((packed, absmax, code, nested_absmax, nested_code, nested_offset, out))
+        arguments.append((*kernel_inputs(*member[:_TENSORS_PER_MEMBER]), out))
         sizes.append((numel, (numel + 1) // 2, num_blocks))
         programs.append(cdiv(num_blocks, blocks_per_program))
     if sum(programs) == 0:
