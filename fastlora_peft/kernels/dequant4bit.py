@@ -157,7 +157,7 @@ def _dequantize_4bit_triton(
     if numel == 0:
         return out
     nested = nested_absmax is not None
-    launched = kernel_inputs(*tensors)
+    launched = kernel_inputs(tensors)
     num_blocks = cdiv(numel, blocksize)
     blocks_per_program = max(1, elements_per_program // blocksize)
     grid = (cdiv(num_blocks, blocks_per_program),)
@@ -184,17 +184,11 @@ def _dequantize_4bit_triton(
     return out
 
 
-def kernel_inputs(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    code: torch.Tensor,
-    nested_absmax: torch.Tensor | None,
-    nested_code: torch.Tensor | None,
-    nested_offset: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
-    """The six tensors as the kernel reads them: the caller's own where they already are (the usual
-    case, which a launch plan needs), else converted copies; without nesting, `code` in the three
-    nested slots (never read)."""
+def kernel_inputs(tensors: tuple) -> tuple[torch.Tensor, ...]:
+    """(packed, absmax, code, nested_absmax, nested_code, nested_offset) as the kernel reads them: the
+    caller's own tensors where they already are (the usual case, which a launch plan needs), else
+    converted copies; without nesting, `code` in the three nested slots (never read)."""
+    packed, absmax, code, nested_absmax, nested_code, nested_offset = tensors
     if not packed.is_contiguous():
         packed = packed.contiguous()
     if packed.dtype != torch.uint8:

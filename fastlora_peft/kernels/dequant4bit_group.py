@@ -145,7 +145,7 @@ def _dequantize_4bit_group_triton(
     for member, out in zip(members, outs):
         numel = member.rows * member.cols
         num_blocks = cdiv(numel, blocksize)
-        arguments.append((*kernel_inputs(*member[:_TENSORS_PER_MEMBER]), out))
+        arguments.append((*kernel_inputs(member[:_TENSORS_PER_MEMBER]), out))
         sizes.append((numel, (numel + 1) // 2, num_blocks))
         programs.append(cdiv(num_blocks, blocks_per_program))
     if sum(programs) == 0:
