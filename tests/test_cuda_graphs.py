@@ -242,23 +242,35 @@ class Nf4Attention(nn.Module):
 
         self.q_proj, self.k_proj, self.v_proj = nf4(1024), nf4(256), nf4(256)
 
+    def forward(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+
+class Nf4Model(nn.Module):
+    """The attention one level down: layers right under the model's root are not grouped (their
+    parent is the root, which `grouping.group_blocks` does not take as a parent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Nf4Attention()
+
     @property
     def dummy_inputs(self):
         return {"x": torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)}
 
     def forward(self, x):
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return self.attn(x)
 
 
 def test_nf4_qkv_group_in_make_graphed_callables_matches_eager(triton_launches):
     """The group's one dequantize launch each way (`dequant4bit_group`) captured and replayed."""
     torch.manual_seed(0)
-    base = Nf4Attention().cuda()  # bitsandbytes quantizes on the move
+    base = Nf4Model().cuda()  # bitsandbytes quantizes on the move
     config = FastLoraConfig(
         r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj"], lora_dropout=0.0
     )
     eager = get_peft_model(base, config)  # fp32 adapters
-    assert eager.base_model.model.q_proj.__dict__.get("fastlora_group") is not None, "no q/k/v group"
+    assert eager.base_model.model.attn.q_proj.__dict__.get("fastlora_group") is not None, "no q/k/v group"
     randomize_lora(eager, seed=1, std=0.05)
     graphed = copy.deepcopy(eager)
     sample = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
