@@ -247,6 +247,11 @@ def _verify(group: BlockGroup, trace: _Trace) -> Optional[str]:
     return None
 
 
+def parent_module_name(name: str) -> str:
+    """The name of the module holding module `name` ("" for one right under the model's root)."""
+    return name.rpartition(".")[0]
+
+
 def group_blocks(
     model: nn.Module, already_grouped: set[nn.Module]
 ) -> tuple[list[BlockGroup], dict[str, str]]:
@@ -254,11 +259,11 @@ def group_blocks(
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedProjectionMixin)}
     parents: dict[str, nn.Module] = {}
     for name in layers:
-        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+        parent_name = parent_module_name(name)
         parent = model.get_submodule(parent_name)
         if (
             parent not in already_grouped
-            and sum(1 for n in layers if n.rsplit(".", 1)[0] == parent_name) >= 2
+            and sum(1 for n in layers if parent_module_name(n) == parent_name) >= 2
         ):
             parents[parent_name] = parent
     if not parents:
@@ -286,9 +291,9 @@ def group_blocks(
                 not_grouped[parent_name] = "not called by the traced forward"
                 continue
             members = {
-                name.rsplit(".", 1)[1]: layer
+                name.rpartition(".")[2]: layer
                 for name, layer in layers.items()
-                if name.rsplit(".", 1)[0] == parent_name and trace.layer_calls.get(layer) == 1
+                if parent_module_name(name) == parent_name and trace.layer_calls.get(layer) == 1
             }
             mlp = _detect_mlp(parent_name, parent, members, trace)
             candidates = (

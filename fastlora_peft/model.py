@@ -16,7 +16,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .blocks import BlockGroup
-from .grouping import group_blocks
+from .grouping import group_blocks, parent_module_name
 from .layers.fused_projection import FusedProjectionMixin, announce_fallback
 from .layers.linear import dispatch_fastlora_linear
 
@@ -126,7 +126,7 @@ class FastLoraModel(LoraModel):
                     base=type(module.get_base_layer()).__name__,
                     path="peft" if reasons else "fused",
                     reasons=tuple(reasons),
-                    group=group_of.get(id(module), not_grouped.get(name.rsplit(".", 1)[0], "")),
+                    group=group_of.get(id(module), not_grouped.get(parent_module_name(name), "")),
                 )
             )
         return routes

@@ -123,6 +123,42 @@ def test_shared_input_group_under_any_call_pattern(pattern, checkpointed):
     assert not group._pending and group._pending_input is None
 
 
+class RootAttention(ToyAttention):
+    """q/k/v right under the model's root: the root is their parent."""
+
+    @property
+    def dummy_inputs(self):
+        return {"x": torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(0))}
+
+
+def test_layers_under_the_models_root_are_grouped():
+    config = dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj"])
+    torch.manual_seed(0)
+    base = RootAttention()
+    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
+    peft = get_peft_model(base, LoraConfig(**config))
+    randomize_lora(fast, seed=1)
+    copy_lora(fast, peft)
+    (group,) = fast.fastlora_groups()
+    assert isinstance(group, SharedInputGroup) and group.parent_name == ""
+    assert group.member_names == ["q_proj", "k_proj", "v_proj"]
+    x = torch.randn(4, HIDDEN)
+    outputs = {}
+    for name, model in (("fast", fast), ("peft", peft)):
+        x_leaf = x.clone().requires_grad_()
+        with count_lora_sublayer_calls(model) as calls:
+            out = model(x_leaf)
+        sum((o * torch.linspace(-1, 1, o.shape[-1])).sum() for o in out).backward()
+        outputs[name] = (out, x_leaf.grad, calls)
+    assert not outputs["fast"][2]
+    assert autograd_node_names(*outputs["fast"][0]).count(FUSED_BACKWARD_NODE) == 1
+    for fast_out, peft_out in zip(outputs["fast"][0], outputs["peft"][0]):
+        assert rel_err(fast_out, peft_out) < 1e-5
+    assert rel_err(outputs["fast"][1], outputs["peft"][1]) < 1e-5
+    assert_lora_grads_match(fast, peft, 1e-5)
+    assert "shared_input:" in fast.base_model.format_fastlora_report()
+
+
 @pytest.mark.parametrize("pattern", ["qkv", "modified_between"])
 def test_shared_input_group_without_grad(pattern):
     fast, peft = toy_pair()
