@@ -1,13 +1,14 @@
 """``dequantize_4bit_group``: the 4-bit weights of a group (q/k/v) dequantized by one launch.
 
 A 4-bit q/k/v group's GEMMs take all three dense weights at once, in the forward and again for dX
-(`functions/group_gemms.py`). Three `dequantize` calls each way cost three launches' host time
-each way. The step is host-bound at 8192 tokens on the H200 machine: its host time was 2.09 ms
-against 1.38 of GPU time (`benchmarks.host_vs_gpu`, twenty-eighth session). One launch here
-dequantizes every member: the grid is the members' programs one after another, and each program
-finds its member by comparing its id with the members' program counts. Each member's programs run
-`dequant4bit.dequantize_blocks`, the single kernel's body, so the bits are the same as
-`dequant4bit.dequantize` gives member by member.
+(`functions/group_gemms.py`). One launch here dequantizes every member: the grid is the members'
+programs one after another, and each program finds its member by comparing its id with the members'
+program counts. Each member's programs run `dequant4bit.dequantize_blocks`, the single kernel's
+body, so the bits are the same as `dequant4bit.dequantize` gives member by member. H200, NF4 q/k/v
+at 8192 tokens: 2 launches a step where there were 6, 34.7 us of dequantize kernels against 43.4
+(`benchmarks.kernel_ab --switch dequant`). The plan key reads every member's tensors, as the three
+single keys did, so the host saves about two launches and two op bodies (docs/benchmarks.md,
+"Twenty-ninth session").
 
 The members must share what the kernel takes as constants: blocksize, nesting and nested blocksize
 (`groups`). Codes (NF4, FP4), shapes and storage may differ. One model's q/k/v always agree.
