@@ -159,6 +159,49 @@ def test_layers_under_the_models_root_are_grouped():
     assert "shared_input:" in fast.base_model.format_fastlora_report()
 
 
+class RootMlp(nn.Module):
+    """A gated MLP as the whole model: gate, up and down right under the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, 56, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, 56, bias=False)
+        self.down_proj = nn.Linear(56, HIDDEN, bias=False)
+        self.act_fn = nn.SiLU()
+
+    @property
+    def dummy_inputs(self):
+        return {"x": torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(0))}
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_gated_mlp_under_the_models_root_is_grouped():
+    config = dict(r=3, lora_alpha=5, target_modules=["gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(0)
+    base = RootMlp()
+    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
+    peft = get_peft_model(base, LoraConfig(**config))
+    randomize_lora(fast, seed=1)
+    copy_lora(fast, peft)
+    (group,) = fast.fastlora_groups()
+    assert isinstance(group, GatedMlpGroup) and group.parent_name == "" and group.activation == "silu"
+    x = torch.randn(4, HIDDEN)
+    results = {}
+    for name, model in (("fast", fast), ("peft", peft)):
+        x_leaf = x.clone().requires_grad_()
+        with count_lora_sublayer_calls(model) as calls:
+            out = model(x_leaf)
+        (out * torch.linspace(-1, 1, HIDDEN)).sum().backward()
+        results[name] = (out, x_leaf.grad, calls)
+    assert not results["fast"][2]
+    assert type(results["fast"][0].grad_fn).__name__ == MLP_BACKWARD_NODE
+    assert rel_err(results["fast"][0], results["peft"][0]) < 1e-5
+    assert rel_err(results["fast"][1], results["peft"][1]) < 1e-5
+    assert_lora_grads_match(fast, peft, 1e-5)
+
+
 @pytest.mark.parametrize("pattern", ["qkv", "modified_between"])
 def test_shared_input_group_without_grad(pattern):
     fast, peft = toy_pair()
