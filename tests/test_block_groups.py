@@ -78,14 +78,34 @@ class ToyModel(nn.Module):
         return self.attn(x, other)
 
 
-def toy_pair(ranks=None):
-    config = dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj"], rank_pattern=ranks or {})
-    base = ToyModel()
+def toy_pair(ranks=None, base=None, targets=("q_proj", "k_proj", "v_proj")):
+    """(fastlora, PEFT) over copies of `base` (a ToyModel by default), the same random adapters."""
+    config = dict(r=3, lora_alpha=5, target_modules=list(targets), rank_pattern=ranks or {})
+    base = ToyModel() if base is None else base
     fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
     peft = get_peft_model(base, LoraConfig(**config))
     randomize_lora(fast, seed=1)
     copy_lora(fast, peft)
     return fast, peft
+
+
+def assert_step_matches_peft(fast, peft, x):
+    """One forward and backward of each on x, PEFT's sub-layers never run in `fast`: outputs, dX
+    and adapter gradients alike. Returns fast's outputs (a tuple)."""
+    results = {}
+    for name, model in (("fast", fast), ("peft", peft)):
+        x_leaf = x.clone().requires_grad_()
+        with count_lora_sublayer_calls(model) as calls:
+            out = model(x_leaf)
+        outputs = out if isinstance(out, tuple) else (out,)
+        sum((o * torch.linspace(-1, 1, o.shape[-1])).sum() for o in outputs).backward()
+        results[name] = (outputs, x_leaf.grad, calls)
+    assert not results["fast"][2], results["fast"][2]
+    for fast_out, peft_out in zip(results["fast"][0], results["peft"][0]):
+        assert rel_err(fast_out, peft_out) < 1e-5
+    assert rel_err(results["fast"][1], results["peft"][1]) < 1e-5
+    assert_lora_grads_match(fast, peft, 1e-5)
+    return results["fast"][0]
 
 
 def run(model, pattern, x, other, checkpointed=False):
@@ -132,30 +152,13 @@ class RootAttention(ToyAttention):
 
 
 def test_layers_under_the_models_root_are_grouped():
-    config = dict(r=3, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj"])
     torch.manual_seed(0)
-    base = RootAttention()
-    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
-    peft = get_peft_model(base, LoraConfig(**config))
-    randomize_lora(fast, seed=1)
-    copy_lora(fast, peft)
+    fast, peft = toy_pair(base=RootAttention())
     (group,) = fast.fastlora_groups()
     assert isinstance(group, SharedInputGroup) and group.parent_name == ""
     assert group.member_names == ["q_proj", "k_proj", "v_proj"]
-    x = torch.randn(4, HIDDEN)
-    outputs = {}
-    for name, model in (("fast", fast), ("peft", peft)):
-        x_leaf = x.clone().requires_grad_()
-        with count_lora_sublayer_calls(model) as calls:
-            out = model(x_leaf)
-        sum((o * torch.linspace(-1, 1, o.shape[-1])).sum() for o in out).backward()
-        outputs[name] = (out, x_leaf.grad, calls)
-    assert not outputs["fast"][2]
-    assert autograd_node_names(*outputs["fast"][0]).count(FUSED_BACKWARD_NODE) == 1
-    for fast_out, peft_out in zip(outputs["fast"][0], outputs["peft"][0]):
-        assert rel_err(fast_out, peft_out) < 1e-5
-    assert rel_err(outputs["fast"][1], outputs["peft"][1]) < 1e-5
-    assert_lora_grads_match(fast, peft, 1e-5)
+    outputs = assert_step_matches_peft(fast, peft, torch.randn(4, HIDDEN))
+    assert autograd_node_names(*outputs).count(FUSED_BACKWARD_NODE) == 1
     assert "shared_input:" in fast.base_model.format_fastlora_report()
 
 
@@ -178,28 +181,12 @@ class RootMlp(nn.Module):
 
 
 def test_gated_mlp_under_the_models_root_is_grouped():
-    config = dict(r=3, lora_alpha=5, target_modules=["gate_proj", "up_proj", "down_proj"])
     torch.manual_seed(0)
-    base = RootMlp()
-    fast = get_peft_model(copy.deepcopy(base), FastLoraConfig(**config))
-    peft = get_peft_model(base, LoraConfig(**config))
-    randomize_lora(fast, seed=1)
-    copy_lora(fast, peft)
+    fast, peft = toy_pair(base=RootMlp(), targets=("gate_proj", "up_proj", "down_proj"))
     (group,) = fast.fastlora_groups()
     assert isinstance(group, GatedMlpGroup) and group.parent_name == "" and group.activation == "silu"
-    x = torch.randn(4, HIDDEN)
-    results = {}
-    for name, model in (("fast", fast), ("peft", peft)):
-        x_leaf = x.clone().requires_grad_()
-        with count_lora_sublayer_calls(model) as calls:
-            out = model(x_leaf)
-        (out * torch.linspace(-1, 1, HIDDEN)).sum().backward()
-        results[name] = (out, x_leaf.grad, calls)
-    assert not results["fast"][2]
-    assert type(results["fast"][0].grad_fn).__name__ == MLP_BACKWARD_NODE
-    assert rel_err(results["fast"][0], results["peft"][0]) < 1e-5
-    assert rel_err(results["fast"][1], results["peft"][1]) < 1e-5
-    assert_lora_grads_match(fast, peft, 1e-5)
+    (out,) = assert_step_matches_peft(fast, peft, torch.randn(4, HIDDEN))
+    assert type(out.grad_fn).__name__ == MLP_BACKWARD_NODE
 
 
 @pytest.mark.parametrize("pattern", ["qkv", "modified_between"])
