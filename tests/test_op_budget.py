@@ -136,13 +136,12 @@ CASES = {
 
 
 # 4-bit weights, dequantized once in the forward and once for dX: a group's weights that fit at once
-# by one group op (q/k/v; gate/up for dX, whose forward makes one base output at a time), the others
-# one by one.
+# by one group op (q/k/v; gate/up here, where they are small), the others one by one.
 PER_MEMBER_DEQUANTIZE_BUDGET = {
     "o": ({"fastlora.dequantize_4bit": 1}, {"fastlora.dequantize_4bit": 1}),
     "qkv": ({"fastlora.dequantize_4bit_group": 1}, {"fastlora.dequantize_4bit_group": 1}),
     "mlp": (
-        {"fastlora.dequantize_4bit": 3},
+        {"fastlora.dequantize_4bit_group": 1, "fastlora.dequantize_4bit": 1},
         {"fastlora.dequantize_4bit_group": 1, "fastlora.dequantize_4bit": 1},
     ),
 }

@@ -162,9 +162,10 @@ def base_outputs(x_2d: torch.Tensor, bases: Sequence[FrozenBase], plan: DtypePla
     """`x @ W_i.T + b_i` of every base, `[tokens, out_i]` of `plan.out_dtype`, without LoRA terms: for
     a caller that adds `scale_i * xa_i @ B_i.T` in a kernel of its own (the gated MLP's activation)."""
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
+    weights = grouped_4bit_weights(bases, plan) if len(bases) > 1 else None
     outputs = []
-    for base in bases:
-        weight = materialize_weight(base, plan.compute_dtype)
+    for index, base in enumerate(bases):
+        weight, weights = _next_weight(base, plan, weights, index)
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         outputs.append(F.linear(x_compute, weight, bias).to(plan.out_dtype))
         del weight  # a dequantized 4-bit weight goes before the next one is made (one at the peak)
