@@ -1,7 +1,8 @@
 """Times launch configurations of the LoRA-term kernels at Llama-3.1-8B shapes on CUDA.
 
-python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit | --gated
-                                     | --gated-forward | --split-shrink | --shrink-rows]
+python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit
+                                     | --weight-grad-kernels | --gated | --gated-forward
+                                     | --split-shrink | --shrink-rows]
 
 Per shape: the default, then the fastest configs.
 
@@ -11,6 +12,7 @@ The launchers' defaults in `fastlora_peft/kernels/lora_terms.py`, `lora_expand_a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import sys
@@ -223,6 +225,57 @@ def tune_weight_grad(k: int, rank: int, tokens: int = TOKENS, split: int | None 
     _report(name, default, results, x.numel() * 2)
 
 
+# (BLOCK_M, BLOCK_K, warps, stages) of `--weight-grad-kernels`, each under several token splits.
+# Four stages only where they fit beside a 64-rank tile of fp32 lefts.
+_WEIGHT_GRAD_KERNEL_CONFIGS = (
+    *itertools.product((64, 128), (64, 128, 256), (4, 8), (3,)),
+    (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4),
+)  # fmt: skip
+_WEIGHT_GRAD_SPLITS = (1, 2, 4, 8, 16)
+
+
+def _token_major(tokens: int, rank: int) -> torch.Tensor:
+    """An fp32 [tokens, rank] left operand laid out token-major, as the shrinks hand it over."""
+    return torch.randn(rank, tokens, device="cuda", dtype=torch.float32).T
+
+
+def tune_weight_grad_kernels(tokens: int, ranks: tuple[int, ...], widths: tuple[int, ...], name: str) -> None:
+    """One backward's weight gradients as the fused Functions launch them, against tiles x token
+    splits, each timed by its kernel alone (`kernel_times_us`; these kernels run 20-150 us, about
+    an unplanned launch's host time, so do_bench would time the host). One problem: `lora_weight_grad`'s
+    kernel (q/k/v's stacked dA, the MLP's gate/up dA); several of one rank: the grouped kernel
+    (o_proj's dA and dB, q/k/v's three dB, the MLP's gate, up and down dB)."""
+    lefts = [_token_major(tokens, rank) for rank in ranks]
+    xs = [torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for width in widths]
+    scales = [0.5] * len(xs)
+    if len(xs) == 1:
+        kernel = "_lora_weight_grad_kernel"
+
+        def run(**config):
+            weight_grad_module._lora_weight_grad_triton(left=lefts[0], x=xs[0], scale=0.5, **config)
+
+    else:
+        from fastlora_peft.kernels import lora_weight_grad_group as group_module
+
+        kernel = "_lora_weight_grad_group_kernel"
+        outs = [torch.empty(rank, width, device="cuda") for rank, width in zip(ranks, widths)]
+
+        def run(**config):
+            group_module._launch_group(lefts, xs, scales, outs, **config)
+
+    launches = {"default": run}
+    for (block_m, block_k, warps, stages), split in itertools.product(
+        _WEIGHT_GRAD_KERNEL_CONFIGS, _WEIGHT_GRAD_SPLITS
+    ):
+        config = dict(split=split, block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages)
+        launches[(block_m, block_k, warps, stages, split)] = functools.partial(run, **config)
+    times = kernel_times_us(launches, kernel, calls=10)
+    default = times.pop("default")
+    results = [(us, dict(zip(("m", "k", "w", "s", "split"), key))) for key, us in times.items()]
+    moved = sum(x.numel() * x.element_size() for x in xs)
+    _report(f"{name} M={tokens} K={widths} R={ranks}", default, results, moved)
+
+
 def tune_gated_weight_grad(rows: int = 2048, n: int = 14336, rank: int = 16) -> None:
     """The MLP backward's fused activation-backward + dA_down kernel on one chunk of rows, against the
     three launches it replaces (recompute h, weight grad from h, activation backward)."""
@@ -350,6 +403,16 @@ def main() -> None:
         return
     if "--gated" in sys.argv:
         tune_gated_weight_grad()
+        return
+    if "--weight-grad-kernels" in sys.argv:
+        # A backward's weight gradients at 8192 and 2048 tokens: q/k/v's stacked dA (rank 3 x 16) and
+        # its three dB, o_proj's dA and dB, the MLP's gate/up dA (rank 2 x 16) and its three dB.
+        for tokens in (8192, 2048):
+            tune_weight_grad_kernels(tokens, (48,), (4096,), "q/k/v dA")
+            tune_weight_grad_kernels(tokens, (16, 16, 16), (4096, 1024, 1024), "q/k/v dB")
+            tune_weight_grad_kernels(tokens, (16, 16), (4096, 4096), "o dA+dB")
+            tune_weight_grad_kernels(tokens, (32,), (4096,), "MLP gate/up dA")
+            tune_weight_grad_kernels(tokens, (16, 16, 16), (14336, 14336, 4096), "MLP dB")
         return
     if "--weight-grad-unsplit" in sys.argv:
         for tokens, k, rank in itertools.product((8192, 2048), (4096, 14336), (16, 48)):
