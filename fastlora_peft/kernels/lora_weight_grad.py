@@ -21,6 +21,7 @@ from fastlora_peft.kernels._lora_common import (
     _check_fp32,
     _num_sms,
     _rank_block,
+    one_wave_splits,
 )
 from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
@@ -96,12 +97,17 @@ _MIN_ROWS_PER_SPLIT = 512
 
 
 def weight_grad_block_m(block_r: int, columns: int) -> int:
-    """Token rows per step of a weight-grad tile of `block_r` ranks and `columns` (K) columns."""
-    # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
-    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. Not retuned for the
-    # split dot bf16 x now takes (one run at rank 16: 64 rows 56us, 128 rows 40us at K=4096; 83 and
-    # 97us at K=14336, `dot_modes_probe_1_with_tiles.log`, where the default launch read 36us).
-    return 128 if block_r >= 32 and columns <= 8192 else 64
+    """Token rows per step of a weight-grad tile of `block_r` ranks and `columns` (K) columns: 64.
+
+    H200, bf16 x, fp32 left (the split dot), each launch timed by its kernel with L2 flushed
+    (`python -m benchmarks.tune_lora_terms --weight-grad-kernels`, docs/benchmarks/session30/
+    tune_weight_grad_kernels.log): at 8192 tokens and K=4096, q/k/v's stacked dA (rank tile 64) took
+    39.5us in 64-row steps against 49.6us in the 128-row steps this picked for rank tiles of 32 and
+    more before (tuned for the tf32x3 dot the split dot replaced), the MLP's gate/up dA (rank 32) 29.6
+    against 36.4; at 2048 tokens 128 rows were ahead by under 1us. Rank tile 16 and K above 8192
+    were at 64 rows already, and the grouped launches' best tiles were within 5% of it.
+    """
+    return 64
 
 
 def _lora_weight_grad_triton(
@@ -140,10 +146,12 @@ def _lora_weight_grad_triton(
     block_m = block_m or weight_grad_block_m(block_r, K)
     k_tiles, r_tiles = cdiv(K, block_k), cdiv(R, block_r)
     if split is None:
-        # Split the token dimension only as far as needed to give every SM two programs. One program
-        # per column tile walking all rows instead was 1.1-1.6x slower at 8192 and 2048 tokens, except
-        # at K=14336, rank 16, 2048 tokens (29 against 30us; `tune_lora_terms --weight-grad-unsplit`).
-        split = min(cdiv(2 * _num_sms(x.device), k_tiles * r_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+        # Split the token dimension as far as keeps every program within one wave of two programs
+        # per SM. One program per column tile walking all rows instead was 1.1-1.6x slower at 8192
+        # and 2048 tokens, except at K=14336, rank 16, 2048 tokens (29 against 30us;
+        # `tune_lora_terms --weight-grad-unsplit`). Rounded up instead (a wave and a bit), q/k/v's
+        # dA at 8192 tokens ran 9 splits where 8 took 39.5us (`weight_grad_block_m`).
+        split = one_wave_splits(k_tiles * r_tiles, 2 * _num_sms(x.device), cdiv(M, _MIN_ROWS_PER_SPLIT))
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
