@@ -171,6 +171,20 @@ def test_group_split_keeps_the_programs_within_one_wave(tiles, tokens, splits, m
     assert group_module._group_split(tokens, tiles, shared, cuda) == splits
 
 
+# (column x rank tiles, tokens, splits) of lora_weight_grad's own launch on an H200 (132 SMs, two
+# programs each: 264 places): q/k/v's stacked dA and the MLP's gate/up dA at K=4096 (32 tiles), a
+# K=14336 rank-16 gradient (112), K=1024 (8), and more tiles than places.
+@pytest.mark.parametrize(
+    "tiles, tokens, splits",
+    [(32, 8192, 8), (32, 2048, 4), (112, 8192, 2), (8, 8192, 16), (1, 8192, 16), (300, 8192, 1)],
+)
+def test_single_launch_splits_within_one_wave(tiles, tokens, splits, monkeypatch):
+    """Rounded up (the rule before), q/k/v's dA at 8192 tokens made 9 splits, 288 programs against
+    264 places, and took 52.3us against 39.8 in 8 (docs/benchmarks/session30/wgrad_rows_probe.log)."""
+    monkeypatch.setattr(single_module, "_num_sms", lambda device: 132)
+    assert single_module.token_splits(tokens, tiles, torch.device("cuda")) == splits
+
+
 @needs_triton
 def test_grouped_launch_takes_its_split_from_group_split(monkeypatch):
     """The launch asks `_group_split` (tokens, column tiles, one program's shared memory estimate) and

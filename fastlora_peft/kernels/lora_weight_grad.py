@@ -96,18 +96,39 @@ def _lora_weight_grad_kernel(
 _MIN_ROWS_PER_SPLIT = 512
 
 
-def weight_grad_block_m(block_r: int, columns: int) -> int:
-    """Token rows per step of a weight-grad tile of `block_r` ranks and `columns` (K) columns: 64.
+# Token rows per step of `lora_weight_grad`'s kernel, at every rank tile. H200, bf16 x, fp32 left (the
+# split dot), each launch timed by its kernel with L2 flushed (docs/benchmarks/session30/
+# wgrad_rows_probe.log): at 8192 tokens and K=4096 the rank tiles of 32, 64 (q/k/v's stacked dA) and
+# 128 took 30.0 / 39.9 / 70.0us in 64-row steps against 36.4 / 49.6 / 99.8 in the 128-row steps they
+# took before (`weight_grad_block_m`, tuned for the tf32x3 dot the split dot replaced). At 2048
+# tokens 128 rows were ahead by at most 2.5us (rank tile 64), and behind by 5.7us at rank 128.
+_SINGLE_BLOCK_M = 64
 
-    H200, bf16 x, fp32 left (the split dot), each launch timed by its kernel with L2 flushed
-    (`python -m benchmarks.tune_lora_terms --weight-grad-kernels`, docs/benchmarks/session30/
-    tune_weight_grad_kernels.log): at 8192 tokens and K=4096, q/k/v's stacked dA (rank tile 64) took
-    39.5us in 64-row steps against 49.6us in the 128-row steps this picked for rank tiles of 32 and
-    more before (tuned for the tf32x3 dot the split dot replaced), the MLP's gate/up dA (rank 32) 29.6
-    against 36.4; at 2048 tokens 128 rows were ahead by under 1us. Rank tile 16 and K above 8192
-    were at 64 rows already, and the grouped launches' best tiles were within 5% of it.
+
+def weight_grad_block_m(block_r: int, columns: int) -> int:
+    """Token rows per step of the grouped kernel's tiles (`lora_weight_grad_group`) of `block_r` ranks
+    and `columns` (K) columns."""
+    # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
+    # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. With the split dot, o's
+    # dA and dB at rank 32 and 8192 tokens still took 59.5us in 128-row steps against 71.7 in 64, at
+    # rank 64 94.0 against 98.1; at 2048 tokens rank 32 went the other way, 24.8 against 20.5
+    # (session30/wgrad_rows_probe.log). Rank 16, the usual, takes 64 either way.
+    return 128 if block_r >= 32 and columns <= 8192 else 64
+
+
+def token_splits(M: int, tiles: int, device: torch.device) -> int:
+    """Token splits of `lora_weight_grad`'s launch of `tiles` (column x rank) tiles over M tokens: as
+    many as keep every program within one wave of two programs per SM, none under
+    `_MIN_ROWS_PER_SPLIT` rows a split.
+
+    One program per column tile walking all rows instead was 1.1-1.6x slower at 8192 and 2048
+    tokens, except at K=14336, rank 16, 2048 tokens (29 against 30us; `tune_lora_terms
+    --weight-grad-unsplit`). Rounded up instead (a wave and a bit, the rule before), q/k/v's dA at
+    8192 tokens made 9 splits: 52.3us against 39.8 in 8 (`_SINGLE_BLOCK_M`'s log). At K=14336 and
+    rank 16 that rule's 3 splits were faster, 72.6 against 77.4us; no fused Function launches that
+    shape alone (the MLP groups its dB, and its dA is fused into the gated backward).
     """
-    return 64
+    return one_wave_splits(tiles, 2 * _num_sms(device), cdiv(M, _MIN_ROWS_PER_SPLIT))
 
 
 def _lora_weight_grad_triton(
@@ -143,15 +164,10 @@ def _lora_weight_grad_triton(
     left_copied = left.stride(0) != 1
     left = left.T.contiguous().T if left_copied else left
     block_r = block_r or _rank_block(R, cap=64)
-    block_m = block_m or weight_grad_block_m(block_r, K)
+    block_m = block_m or _SINGLE_BLOCK_M
     k_tiles, r_tiles = cdiv(K, block_k), cdiv(R, block_r)
     if split is None:
-        # Split the token dimension as far as keeps every program within one wave of two programs
-        # per SM. One program per column tile walking all rows instead was 1.1-1.6x slower at 8192
-        # and 2048 tokens, except at K=14336, rank 16, 2048 tokens (29 against 30us;
-        # `tune_lora_terms --weight-grad-unsplit`). Rounded up instead (a wave and a bit), q/k/v's
-        # dA at 8192 tokens ran 9 splits where 8 took 39.5us (`weight_grad_block_m`).
-        split = one_wave_splits(k_tiles * r_tiles, 2 * _num_sms(x.device), cdiv(M, _MIN_ROWS_PER_SPLIT))
+        split = token_splits(M, k_tiles * r_tiles, x.device)
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).

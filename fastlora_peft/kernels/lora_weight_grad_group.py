@@ -4,9 +4,9 @@ shapes allow.
 
 A projection's backward makes dA (`grad_xa` against x) and dB (`xa` against dY); a q/k/v group makes
 dA of all three in one pass and a dB per member: four `lora_weight_grad` launches, each costing a
-launch's host time in blocks that are host-bound (docs/benchmarks.md). Here the gradients whose
-tiles `lora_weight_grad` would launch alike (same rank, rank tile, row tile and activation dtype, the
-lefts of one set of strides) run as one launch of a grouped kernel: o_proj's dA and dB, q/k/v's three
+launch's host time in blocks that are host-bound (docs/benchmarks.md). Here the gradients that tile
+alike (same rank, rank tile, row tile (`weight_grad_block_m`) and activation dtype, the lefts of one
+set of strides) run as one launch of a grouped kernel: o_proj's dA and dB, q/k/v's three
 dB, the MLP's gate, up and down dB. Each program of the grouped kernel picks its problem from its column
 tile (problem 0's tiles first) and then runs `lora_weight_grad`'s loop for that tile; the token
 splits are chosen once for all the group's tiles. A gradient with no partner (q/k/v's dA, of rank 3r)
@@ -234,10 +234,10 @@ def _launch_group(
     """One launch of the grouped kernel for 1 to MAX_PROBLEMS problems of one rank, into `outs`.
 
     Returns (bound launch, its scalar arguments before and after the scales, its scratch sizes), or
-    None when interpreted. The tiles are `_lora_weight_grad_triton`'s for each problem
-    (`launch_groups` groups only problems it tiles alike); the token splits fill one wave of the
-    programs the SMs hold (`_group_split`; keyword arguments: tests' smaller tiles and forced
-    splits)."""
+    None when interpreted. The rank and column tiles are `_lora_weight_grad_triton`'s, the row tile
+    `weight_grad_block_m`'s (`launch_groups` groups only problems it tiles alike); the token splits
+    fill one wave of the programs the SMs hold (`_group_split`; keyword arguments: tests' smaller
+    tiles and forced splits)."""
     M, R = lefts[0].shape
     widths = [x.shape[1] for x in xs]
     block_r = _rank_block(R, cap=64)
@@ -290,7 +290,7 @@ def _group_split(M: int, tiles: int, shared_bytes: int, device: torch.device) ->
 
 
 def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
-    """The problems' indices by launch: those `lora_weight_grad` would tile alike (rank, rank and row
+    """The problems' indices by launch: those the grouped kernel tiles alike (rank, rank and row
     tiles, activation dtype, unit column stride) with lefts of one rank stride, in order, at most
     MAX_PROBLEMS per launch; any other problem alone: every problem with no tokens, rank or columns
     (lora_weight_grad answers with zeros), and one of a single column or an x whose row stride is 1
