@@ -209,6 +209,27 @@ def test_grouped_launch_takes_its_split_from_group_split(monkeypatch):
         assert rel_err(out, _truth(left, x, scale)) < 1e-5
 
 
+@needs_triton
+def test_single_launch_takes_its_split_from_token_splits(monkeypatch):
+    """`lora_weight_grad`'s own launch asks `token_splits` (tokens, column x rank tiles) and splits
+    the tokens as it answers: the split scratch is that many partials, the result exact."""
+    (left,), (x,), (scale,) = _problems(40, [(5, 37)], BF16)
+    asked, scratch_sizes = [], []
+    monkeypatch.setattr(single_module, "token_splits", lambda *args: asked.append(args) or 3)
+    real_scratch = single_module.split_scratch
+    monkeypatch.setattr(
+        single_module,
+        "split_scratch",
+        lambda device, *sizes: scratch_sizes.append(sizes) or real_scratch(device, *sizes),
+    )
+    out = single_module._lora_weight_grad_triton(
+        left=left, x=x, scale=scale, block_m=TEST_BLOCK_M, block_k=16
+    )
+    assert asked == [(40, 3, x.device)]  # 37 columns in 16-wide tiles, one rank tile
+    assert scratch_sizes[0][0] == 3 * 5 * 37  # three splits' partials
+    assert rel_err(out, _truth(left, x, scale)) < 1e-5
+
+
 def test_programs_per_sm_reads_the_devices_shared_memory(monkeypatch):
     from types import SimpleNamespace
 
