@@ -185,6 +185,20 @@ def test_single_launch_splits_within_one_wave(tiles, tokens, splits, monkeypatch
     assert single_module.token_splits(tokens, tiles, torch.device("cuda")) == splits
 
 
+def _split_three_ways(monkeypatch, module, rule: str) -> tuple[list, list]:
+    """`module.<rule>` answers 3 and records what it was asked; `module.split_scratch` records the sizes
+    it is asked for. Returns (asked, scratch sizes)."""
+    asked, scratch_sizes = [], []
+    monkeypatch.setattr(module, rule, lambda *args: asked.append(args) or 3)
+    real_scratch = module.split_scratch
+    monkeypatch.setattr(
+        module,
+        "split_scratch",
+        lambda device, *sizes: scratch_sizes.append(sizes) or real_scratch(device, *sizes),
+    )
+    return asked, scratch_sizes
+
+
 @needs_triton
 def test_grouped_launch_takes_its_split_from_group_split(monkeypatch):
     """The launch asks `_group_split` (tokens, column tiles, one program's shared memory estimate) and
@@ -192,14 +206,7 @@ def test_grouped_launch_takes_its_split_from_group_split(monkeypatch):
     m, shapes, k_major = GROUP_CASES[1]
     lefts, xs, scales = _problems(m, shapes, BF16)
     outs = [group_module._new_out(r, k, km, FP32, DEVICE) for (r, k), km in zip(shapes, k_major)]
-    asked, scratch_sizes = [], []
-    monkeypatch.setattr(group_module, "_group_split", lambda *args: asked.append(args) or 3)
-    real_scratch = group_module.split_scratch
-    monkeypatch.setattr(
-        group_module,
-        "split_scratch",
-        lambda device, *sizes: scratch_sizes.append(sizes) or real_scratch(device, *sizes),
-    )
+    asked, scratch_sizes = _split_three_ways(monkeypatch, group_module, "_group_split")
     group_module._launch_group(lefts, xs, scales, outs, block_m=TEST_BLOCK_M, block_k=16)
     rank, widths = shapes[0][0], [k for _, k in shapes]
     one_program = 3 * TEST_BLOCK_M * (16 * 2 + 16 * 4)  # 3 stages of a bf16 x tile and an fp32 left tile
@@ -214,14 +221,7 @@ def test_single_launch_takes_its_split_from_token_splits(monkeypatch):
     """`lora_weight_grad`'s own launch asks `token_splits` (tokens, column x rank tiles) and splits
     the tokens as it answers: the split scratch is that many partials, the result exact."""
     (left,), (x,), (scale,) = _problems(40, [(5, 37)], BF16)
-    asked, scratch_sizes = [], []
-    monkeypatch.setattr(single_module, "token_splits", lambda *args: asked.append(args) or 3)
-    real_scratch = single_module.split_scratch
-    monkeypatch.setattr(
-        single_module,
-        "split_scratch",
-        lambda device, *sizes: scratch_sizes.append(sizes) or real_scratch(device, *sizes),
-    )
+    asked, scratch_sizes = _split_three_ways(monkeypatch, single_module, "token_splits")
     out = single_module._lora_weight_grad_triton(
         left=left, x=x, scale=scale, block_m=TEST_BLOCK_M, block_k=16
     )
