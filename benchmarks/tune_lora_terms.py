@@ -2,7 +2,7 @@
 
 python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit
                                      | --weight-grad-kernels | --gated | --gated-forward
-                                     | --split-shrink | --shrink-rows]
+                                     | --split-shrink | --shrink-rows [--tokens=8192]]
 
 Per shape: the default, then the fastest configs.
 
@@ -385,6 +385,13 @@ def main() -> None:
             (2048, 14336, 16, False), (2048, 14336, 16, True),
         ):  # fmt: skip
             tune_split_shrink(rows, k, rank, transposed)
+        return
+    if "--shrink-rows" in sys.argv and "--tokens=8192" in sys.argv:
+        # The single shrinks of an 8192-token step: q/k/v's x @ [A_q | A_k | A_v].T, the MLP's x @
+        # [A_gate | A_up].T, o's x @ A.T and dY @ B (a group's dY_i @ B_i run as one grouped launch).
+        for dtype in (torch.float32, bf16):
+            for rank, transposed in ((48, True), (32, True), (16, False), (16, True)):
+                tune_shrink_rows(8192, 4096, rank, transposed, dtype)
         return
     if "--shrink-rows" in sys.argv:
         # The shrinks of one 2048-token step: the MLP's x @ [A_gate | A_up].T, h @ A_down.T, dY @ B_down
