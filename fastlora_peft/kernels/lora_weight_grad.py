@@ -96,12 +96,12 @@ def _lora_weight_grad_kernel(
 _MIN_ROWS_PER_SPLIT = 512
 
 
-# Token rows per step of `lora_weight_grad`'s kernel, at every rank tile. H200, bf16 x, fp32 left (the
-# split dot), each launch timed by its kernel with L2 flushed (docs/benchmarks/session30/
-# wgrad_rows_probe.log): at 8192 tokens and K=4096 the rank tiles of 32, 64 (q/k/v's stacked dA) and
-# 128 took 30.0 / 39.9 / 70.0us in 64-row steps against 36.4 / 49.6 / 99.8 in the 128-row steps they
-# took before (`weight_grad_block_m`, tuned for the tf32x3 dot the split dot replaced). At 2048
-# tokens 128 rows were ahead by at most 2.5us (rank tile 64), and behind by 5.7us at rank 128.
+# Token rows per step of `lora_weight_grad`'s kernel, at every rank. H200, bf16 x, fp32 left (the split
+# dot), each launch timed by its kernel with L2 flushed (docs/benchmarks/session30/
+# wgrad_rows_probe.log): at 8192 tokens and K=4096, ranks 32, 48 (q/k/v's stacked dA), 64 and 128
+# took 30.0 / 39.9 / 42.6 / 70.0us in 64-row steps against 36.4 / 49.6 / 51.2 / 99.8 in the 128-row
+# steps they took before (`weight_grad_block_m`, tuned for the tf32x3 dot the split dot replaced). At
+# 2048 tokens 128 rows were ahead by at most 2.5us (rank 64), and behind by 5.7us at rank 128.
 _SINGLE_BLOCK_M = 64
 
 
