@@ -200,29 +200,13 @@ _UNSPLIT_WEIGHT_GRAD_CONFIGS = tuple(itertools.product((64, 128), (16, 32, 64), 
 
 
 def tune_weight_grad(k: int, rank: int, tokens: int = TOKENS, split: int | None = None) -> None:
-    """lora_weight_grad's configs against its default launch (token splits, summed in the kernel);
-    split=1: one program per column tile walking every token row, no split at all."""
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    left = torch.randn(rank, tokens, device="cuda", dtype=torch.float32).T  # token-major, as the shrink gives
-    default = _bench(lambda: weight_grad_module._lora_weight_grad_triton(left=left, x=x, scale=0.5))
-    results = []
-    for block_m, block_k, warps, stages in (
-        _WEIGHT_GRAD_CONFIGS if split is None else _UNSPLIT_WEIGHT_GRAD_CONFIGS
-    ):
-
-        def launch(block_m=block_m, block_k=block_k, warps=warps, stages=stages):
-            weight_grad_module._lora_weight_grad_triton(
-                left=left, x=x, scale=0.5, split=split,
-                block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages,
-            )  # fmt: skip
-
-        config = dict(m=block_m, k=block_k, w=warps, s=stages)
-        try:
-            results.append((_bench(launch), config))
-        except Exception as error:
-            print(f"  skip {config}: {type(error).__name__}")
-    name = f"weight_grad M={tokens} K={k} R={rank}" + ("" if split is None else f" split={split}")
-    _report(name, default, results, x.numel() * 2)
+    """lora_weight_grad's configs against its default launch, timed by kernel (`tune_weight_grad_kernels`):
+    split None, the launcher's token splits; split=1, one program per column tile walking every token
+    row, no split at all. (These modes timed with do_bench before the thirtieth session, which at
+    these sizes times an unplanned launch's host as much as the kernel.)"""
+    configs = _WEIGHT_GRAD_CONFIGS if split is None else _UNSPLIT_WEIGHT_GRAD_CONFIGS
+    name = "weight_grad" + ("" if split is None else f" split={split}")
+    tune_weight_grad_kernels(tokens, (rank,), (k,), name, configs=configs, splits=(split,))
 
 
 # (BLOCK_M, BLOCK_K, warps, stages) of `--weight-grad-kernels`, each under several token splits.
@@ -239,12 +223,20 @@ def _token_major(tokens: int, rank: int) -> torch.Tensor:
     return torch.randn(rank, tokens, device="cuda", dtype=torch.float32).T
 
 
-def tune_weight_grad_kernels(tokens: int, ranks: tuple[int, ...], widths: tuple[int, ...], name: str) -> None:
-    """One backward's weight gradients as the fused Functions launch them, against tiles x token
-    splits, each timed by its kernel alone (`kernel_times_us`; these kernels run 20-150 us, about
-    an unplanned launch's host time, so do_bench would time the host). One problem: `lora_weight_grad`'s
-    kernel (q/k/v's stacked dA, the MLP's gate/up dA); several of one rank: the grouped kernel
-    (o_proj's dA and dB, q/k/v's three dB, the MLP's gate, up and down dB)."""
+def tune_weight_grad_kernels(
+    tokens: int,
+    ranks: tuple[int, ...],
+    widths: tuple[int, ...],
+    name: str,
+    configs: tuple = _WEIGHT_GRAD_KERNEL_CONFIGS,
+    splits: tuple = _WEIGHT_GRAD_SPLITS,
+) -> None:
+    """One backward's weight gradients as the fused Functions launch them, against `configs` (BLOCK_M,
+    BLOCK_K, warps, stages) x token `splits` (None: the launcher's rule), each timed by its kernel
+    alone (`kernel_times_us`; these kernels run 20-150 us, about an unplanned launch's host time, so
+    do_bench would time the host). One problem: `lora_weight_grad`'s kernel (q/k/v's stacked dA, the
+    MLP's gate/up dA); several of one rank: the grouped kernel (o_proj's dA and dB, q/k/v's three dB,
+    the MLP's gate, up and down dB)."""
     lefts = [_token_major(tokens, rank) for rank in ranks]
     xs = [torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for width in widths]
     scales = [0.5] * len(xs)
@@ -264,9 +256,7 @@ def tune_weight_grad_kernels(tokens: int, ranks: tuple[int, ...], widths: tuple[
             group_module._launch_group(lefts, xs, scales, outs, **config)
 
     launches = {"default": run}
-    for (block_m, block_k, warps, stages), split in itertools.product(
-        _WEIGHT_GRAD_KERNEL_CONFIGS, _WEIGHT_GRAD_SPLITS
-    ):
+    for (block_m, block_k, warps, stages), split in itertools.product(configs, splits):
         config = dict(split=split, block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages)
         launches[(block_m, block_k, warps, stages, split)] = functools.partial(run, **config)
     times = kernel_times_us(launches, kernel, calls=10)
