@@ -16,7 +16,7 @@ from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  #
 from fastlora_peft.dtypes import plan_projection_dtypes
 from fastlora_peft.functions.shared_input import fused_lora_projections
 from fastlora_peft.kernels import _launch, lora_terms
-from fastlora_peft.kernels.dots import NATIVE_DOT, SPLIT_DOT, dot_precision
+from fastlora_peft.kernels.dots import dot_precision
 from fastlora_peft.kernels.lora_shrink_group import (
     ShrinkGroupSettings,
     group_k_per_split,
@@ -111,24 +111,29 @@ def test_split_length_rule():
 
 
 def test_single_shrink_split_rule():
-    # bf16 weights: unsplit from one row block per SM; below, about two programs per SM.
-    assert lora_terms.shrink_splits(256, 32, NATIVE_DOT, 132, 4) == 1
-    assert lora_terms.shrink_splits(64, 112, NATIVE_DOT, 132, 4) == 5
+    # bf16 weights over a rank tile of 16: unsplit from one row block per SM; below, about two
+    # programs per SM.
+    assert lora_terms.shrink_splits(256, 32, False, 132, 4) == 1
+    assert lora_terms.shrink_splits(64, 112, False, 132, 4) == 5
+    # Over a wide rank tile (one program per SM): 2048 tokens of 64 rows in four, 4096 in two, 8192
+    # (128 row blocks) and 16384 unsplit.
+    splits = [lora_terms.shrink_splits(blocks, 32, True, 132, 1) for blocks in (32, 64, 128, 256)]
+    assert splits == [4, 2, 1, 1]
     # The split dot fills one wave of what the SMs hold, and no more: rank 16 (four per SM, 528
     # places) at 16384 tokens in two (512 programs; three made 768, a second wave) ...
-    assert lora_terms.shrink_splits(256, 224, SPLIT_DOT, 132, 4) == 2
+    assert lora_terms.shrink_splits(256, 224, True, 132, 4) == 2
     # ... rank 32 (three per SM) at 8192 tokens in three (384 programs, where four made 512) ...
-    assert lora_terms.shrink_splits(128, 64, SPLIT_DOT, 132, 3) == 3
+    assert lora_terms.shrink_splits(128, 64, True, 132, 3) == 3
     # ... and unsplit at 16384 (256 programs; two made 512).
-    assert lora_terms.shrink_splits(256, 64, SPLIT_DOT, 132, 3) == 1
+    assert lora_terms.shrink_splits(256, 64, True, 132, 3) == 1
     # The wide rank tile (two per SM): 64 row blocks in four (256 programs of 264 places), 128 in two.
-    assert lora_terms.shrink_splits(64, 64, SPLIT_DOT, 132, 2) == 4
-    assert lora_terms.shrink_splits(128, 64, SPLIT_DOT, 132, 2) == 2
+    assert lora_terms.shrink_splits(64, 64, True, 132, 2) == 4
+    assert lora_terms.shrink_splits(128, 64, True, 132, 2) == 2
     # More row blocks than places: one split.
-    assert lora_terms.shrink_splits(600, 64, SPLIT_DOT, 132, 4) == 1
+    assert lora_terms.shrink_splits(600, 64, True, 132, 4) == 1
     # Splits of about four K steps at the least.
-    assert lora_terms.shrink_splits(16, 64, SPLIT_DOT, 132, 4) == 16
-    assert lora_terms.shrink_splits(1, 5, NATIVE_DOT, 132, 4) == 2
+    assert lora_terms.shrink_splits(16, 64, True, 132, 4) == 16
+    assert lora_terms.shrink_splits(1, 5, False, 132, 4) == 2
 
 
 def test_shrink_programs_per_sm_from_the_tiles():
@@ -189,18 +194,18 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     assert rel_err(got, _truth(xs, weights, scales)) < 1e-5
     asked.clear(), scratch_sizes.clear()
     got = lora_terms.lora_shrink(xs[2], weights[2], scales[2])
-    assert asked == [(row_blocks, -(-130 // config.block_k), config.mode, sms, 7)]
+    assert asked == [(row_blocks, -(-130 // config.block_k), True, sms, 7)]
     assert shared_asked == [shared_bytes(config, 2, 4)]
     assert scratch_sizes == [(2 * m * 5, row_blocks)]
     assert rel_err(got, scales[2] * (xs[2].double() @ weights[2].double().T)) < 1e-5
-    # 16-bit weights: the rule is told their dot mode (native on a GPU, fp32 dots when interpreted).
+    # 16-bit weights over a rank tile of 16: the rule is told they fill no wave.
     asked.clear(), shared_asked.clear()
     bf16_weight = weights[2].to(BF16)
     native = lora_terms._shrink_config(xs[2], bf16_weight)
     assert native.mode != config.mode
     lora_terms.lora_shrink(xs[2], bf16_weight)
     steps = -(-130 // native.block_k)
-    assert asked == [(-(-m // native.block_m), steps, native.mode, sms, 7)]
+    assert asked == [(-(-m // native.block_m), steps, False, sms, 7)]
     assert shared_asked == [shared_bytes(native, 2, 2)]
     # A q/k/v group's stacked A (rank 48): the places asked for are its wide tile's.
     asked.clear(), shared_asked.clear()
@@ -208,9 +213,19 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     got = lora_terms.lora_shrink(xs[0], wide)
     wide_config = lora_terms._shrink_config(xs[0], wide)
     assert (wide_config.block_m, wide_config.block_r) == (128, 64)
-    assert asked == [(-(-m // 128), -(-40 // 64), lora_terms.SPLIT_DOT, sms, 7)]
+    assert asked == [(-(-m // 128), -(-40 // 64), True, sms, 7)]
     assert shared_asked == [shared_bytes(wide_config, 2, 4)]
     assert rel_err(got, xs[0].double() @ wide.double().T) < 1e-5
+    # The same with bf16 adapters: the wide 16-bit tile fills one wave of one program per SM, whatever
+    # its shared memory would allow (so the places are not asked for).
+    asked.clear(), shared_asked.clear()
+    wide_bf16 = wide.to(BF16)
+    got = lora_terms.lora_shrink(xs[0], wide_bf16)
+    native_wide = lora_terms._shrink_config(xs[0], wide_bf16)
+    assert (native_wide.block_m, native_wide.block_k, native_wide.block_r) == (64, 128, 64)
+    assert asked == [(-(-m // 64), 1, True, sms, 1)]
+    assert shared_asked == []
+    assert rel_err(got, xs[0].double() @ wide_bf16.double().T) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -151,17 +151,29 @@ _SHRINK_TILES = {
 # default with 4 warps and 4 stages (a bf16 weight: 39.3us); at ranks 16 and 32 those tiles were no
 # faster (H200, `python -m benchmarks.tune_lora_terms --split-shrink`, session16/tune_split_shrink.log).
 _WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
+# 16-bit weights over a rank tile of 32 to 64 (a q/k/v group's stacked A at rank 48 with bf16
+# adapters, an MLP's gate/up A at rank 32, a rank-64 adapter): 64 x 128 tiles, 4 warps, 4 stages, K
+# split into at most one program per SM (`shrink_splits`). H200, x [M, 4096] bf16, the weight read
+# transposed, kernel time with L2 flushed, us, the 32 x 128 tiles with the 16-bit rule before ->
+# this launch: rank 48 at 2048 tokens 14.1 -> 10.8, 4096 19.0 -> 16.1, 8192 31.1 -> 26.5, 16384
+# 74.5 -> 44.5; rank 64: 12.9 -> 10.6, 17.0 -> 15.8, 28.8 -> 25.1, 60.1 -> 44.0; rank 32: 10.1 ->
+# 9.7, 16.2 -> 14.6, 24.8 -> 24.6, 43.8 -> 41.1 (`docs/benchmarks/session31/native_wide_shrink_probe.log`).
+# The shared-memory count of `shrink_shared_bytes` would allow two programs per SM at rank 32; one
+# was faster there at every token count (two: 15.8 against 14.6 at 4096 tokens).
+_WIDE_NATIVE_LAUNCH = (64, 128, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
-def shrink_splits(row_blocks: int, k_steps: int, mode: int, sms: int, split_dot_per_sm: int) -> int:
+def shrink_splits(row_blocks: int, k_steps: int, fills_wave: bool, sms: int, per_sm: int) -> int:
     """How many splits `lora_shrink` cuts K into (about four K steps long at the least). With few row
     blocks (a few thousand tokens) each program would walk all of K alone, latency-bound; the splits
     give the SMs more programs, at the cost of fp32 partials of M * R * 4 bytes each.
 
-    16-bit weights split only below one row block per SM, into about two programs per SM. The split
-    dot (an fp32 weight against a 16-bit x) does more work per byte of x and wants the SMs full: as
-    many splits as keep every program in one wave of the `split_dot_per_sm` programs an SM holds
-    (`shrink_shared_bytes`), the rule of the grouped weight gradients (`_group_split`). One program
+    fills_wave: the launch's tiles want one wave of `per_sm` programs an SM (`_ShrinkConfig.fills_wave`).
+    16-bit weights over a rank tile of at most 16 split only below one row block per SM, into about
+    two programs per SM. Over a wider rank tile (`_WIDE_NATIVE_LAUNCH`) they fill one wave of one
+    program per SM. The split dot (an fp32 weight against a 16-bit x) does more work per byte of x
+    and wants the SMs full: as many splits as keep every program in one wave of the programs an SM
+    holds (`shrink_shared_bytes`), the rule of the grouped weight gradients (`_group_split`). One program
     past a wave costs a second wave; a split fewer costs a longer program. H200, each split forced
     (kernel time, `docs/benchmarks/session25/shrink_group_sweep_after.log` and session26's
     `shrink_group_sweep_ranks_contiguous_a.log`; the rule's picks timed after it in
@@ -172,8 +184,8 @@ def shrink_splits(row_blocks: int, k_steps: int, mode: int, sms: int, split_dot_
     per SM), K=14336: 16384 tokens 128.6 in two against 149.0 in three; 4096 tokens 37.3 in eight
     against 41.4 in seven."""
     most = cdiv(k_steps, 4)
-    if mode == SPLIT_DOT:
-        return one_wave_splits(row_blocks, split_dot_per_sm * sms, most)
+    if fills_wave:
+        return one_wave_splits(row_blocks, per_sm * sms, most)
     if row_blocks >= sms:
         return 1
     return min(cdiv(2 * sms, row_blocks), most)
@@ -199,6 +211,10 @@ class _ShrinkConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # The K splits fill one wave of `per_sm` programs an SM (`shrink_splits`): the split dot's, by
+    # its tiles' shared memory, and the wide 16-bit tile's, one.
+    fills_wave: bool = False
+    per_sm: Optional[int] = None  # None: as many as the tiles' shared memory allows
 
 
 def _shrink_config(x: torch.Tensor, weight: torch.Tensor, block_r: int | None = None) -> _ShrinkConfig:
@@ -207,11 +223,17 @@ def _shrink_config(x: torch.Tensor, weight: torch.Tensor, block_r: int | None = 
     copy_weight = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
     block_r = block_r or _rank_block(weight.shape[0], cap=128)
-    block_m, block_k = _SHRINK_TILES[mode if torch.float32 in (x.dtype, weight.dtype) else NATIVE_DOT]
+    sixteen_bit = torch.float32 not in (x.dtype, weight.dtype)
+    block_m, block_k = _SHRINK_TILES[NATIVE_DOT if sixteen_bit else mode]
     num_warps, num_stages = 8 if block_r > 64 else 4, 4
     if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
         block_m, block_k, num_warps, num_stages = _WIDE_SPLIT_LAUNCH
-    return _ShrinkConfig(mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages)
+    if sixteen_bit and 32 <= block_r <= 64:  # measured there only (ranks 32, 48 and 64)
+        block_m, block_k, num_warps, num_stages = _WIDE_NATIVE_LAUNCH
+        return _ShrinkConfig(mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages, True, 1)
+    return _ShrinkConfig(
+        mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages, mode == SPLIT_DOT
+    )
 
 
 def _lora_shrink_triton(
@@ -258,11 +280,13 @@ def _lora_shrink_triton(
     num_warps, num_stages = num_warps or config.num_warps, num_stages or config.num_stages
     row_blocks = cdiv(M, block_m)
     if split is None:
-        shared_bytes = shrink_shared_bytes(
-            block_m, block_k, block_r, num_stages, x.element_size(), weight.element_size()
-        )
-        per_sm = _programs_per_sm(x.device, shared_bytes)
-        split = shrink_splits(row_blocks, cdiv(K, block_k), mode, _num_sms(x.device), per_sm)
+        per_sm = config.per_sm
+        if per_sm is None:
+            shared_bytes = shrink_shared_bytes(
+                block_m, block_k, block_r, num_stages, x.element_size(), weight.element_size()
+            )
+            per_sm = _programs_per_sm(x.device, shared_bytes)
+        split = shrink_splits(row_blocks, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
     k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
     split = cdiv(K, k_per_split)  # no empty splits
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
