@@ -20,25 +20,29 @@ from .functions.gated_mlp import fused_gated_mlp
 from .functions.shared_input import fused_lora_projections
 
 
-def _group_blocker(members: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]) -> Optional[str]:
-    """Why the members cannot run as one fused call on `x` now, or None (then all share one adapter)."""
-    adapters = set()
+def _group_blocker(
+    members: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[Optional[str], list[str]]:
+    """(why the members cannot run as one fused call on `x` now, or None; the active adapters they
+    all share when they can)."""
+    shared = None
     for member in members:
         if member.disable_adapters or member.merged:
-            return "adapters disabled or merged"
-        active = tuple(member.present_active_adapters())
+            return "adapters disabled or merged", []
+        active = member.present_active_adapters()
         if not active:
-            return "a member has no active adapter"
-        adapters.add(active)
-        if member.fused_blocker(kwargs, list(active)) is not None:
-            return "a member cannot take the fused path"
+            return "a member has no active adapter", []
+        if shared is None:
+            shared = active
+        elif active != shared:
+            return "members have different active adapters", []
+        if member.fused_blocker(kwargs, active) is not None:
+            return "a member cannot take the fused path", []
         if any(member.dropout_active(name) for name in active):  # each member draws its own mask
-            return "lora_dropout while training (members run one by one)"
-    if len(adapters) != 1:
-        return "members have different active adapters"
+            return "lora_dropout while training (members run one by one)", []
     if x.shape[-1] != members[0].in_features or not x.is_floating_point():
-        return "unexpected input"
-    return None
+        return "unexpected input", []
+    return None, shared
 
 
 class BlockGroup:
@@ -88,8 +92,16 @@ class BlockGroup:
         return type(self.parent).forward(self.parent, *args, **kwargs)
 
     def plan(self, x: torch.Tensor):
-        plans = {member.dtype_plan(x) for member in self.members}
-        return plans.pop() if len(plans) == 1 else None
+        """The members' one dtype plan for `x`, or None where they differ. Plans of one x differ only
+        by each member's base compute dtype and quantization (`plan_projection_dtypes`), so those
+        are compared and one plan is made."""
+        members = self.members
+        first = members[0]
+        for member in members[1:]:
+            same = member.is_quantized == first.is_quantized
+            if not same or member.base_compute_dtype(x) != first.base_compute_dtype(x):
+                return None
+        return first.dtype_plan(x)
 
     def describe(self) -> str:
         return f"{self.kind}:{self.parent_name}"
@@ -151,12 +163,11 @@ class SharedInputGroup(BlockGroup):
         index = self.members.index(member)
         if x is self._pending_input and x._version == self._pending_version and index in self._pending:
             return self._pending.pop(index)
-        reason = _group_blocker(self.members, x, kwargs)
+        reason, adapter_names = _group_blocker(self.members, x, kwargs)
         plan = self.plan(x) if reason is None else None
         if plan is None:
             self.count_call(reason or "members' dtype plans differ")
             return None
-        adapter_names = self.members[0].present_active_adapters()
         outputs = fused_lora_projections(
             x,
             [m.frozen_base() for m in self.members],
@@ -185,7 +196,9 @@ class GatedMlpGroup(BlockGroup):
         return f"{self.kind}({self.activation}):{self.parent_name}"
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
-        reason = "extra arguments" if args or kwargs else _group_blocker(self.members, x, {})
+        reason, adapter_names = (
+            ("extra arguments", []) if args or kwargs else _group_blocker(self.members, x, {})
+        )
         # Hooks on a member may change its call (PEFT passes `adapter_names` batches to each layer
         # through a forward pre-hook), and the members' own calls are what the group replaces.
         if reason is None and any(member._forward_pre_hooks for member in self.members):
@@ -197,7 +210,6 @@ class GatedMlpGroup(BlockGroup):
         if plan is None:
             self.count_call(reason or "members' dtype plans differ")
             return self.original_forward(x, *args, **kwargs)
-        adapter_names = self.members[0].present_active_adapters()
         self.count_call()
         return fused_gated_mlp(
             x,

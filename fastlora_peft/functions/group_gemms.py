@@ -87,7 +87,8 @@ def summed_grad_x(
         bases, plan
     ):
         return None, None
-    grads_compute = [grad.to(plan.compute_dtype) for grad in grads_2d]
+    compute = plan.compute_dtype
+    grads_compute = [grad if grad.dtype == compute else grad.to(compute) for grad in grads_2d]
     weights = materialize_weights(bases, plan.compute_dtype)
     if not lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):
         return None, weights

@@ -77,8 +77,15 @@ def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
     makes it, where the cat and then the launcher's contiguous copy would be two ops."""
     if len(loras) == 1:
         return loras[0].lora_a.t()  # the launcher copies it
-    dtype = functools.reduce(torch.promote_types, [lora.lora_a.dtype for lora in loras])
-    return torch.cat([lora.lora_a.t().to(dtype) for lora in loras], dim=1)
+    dtypes = [lora.lora_a.dtype for lora in loras]
+    dtype = dtypes[0]
+    if dtypes.count(dtype) != len(dtypes):
+        dtype = functools.reduce(torch.promote_types, dtypes)
+    # (`.to` only where it changes something: a no-op `.to` is still a call into torch.)
+    return torch.cat(
+        [lora.lora_a.t() if d == dtype else lora.lora_a.t().to(dtype) for lora, d in zip(loras, dtypes)],
+        dim=1,
+    )
 
 
 def group_lora_a_t(loras: Sequence[LoraWeights]) -> Optional[torch.Tensor]:

@@ -154,7 +154,10 @@ class FusedProjectionMixin:
         return None
 
     def present_active_adapters(self) -> list[str]:
-        return [name for name in self.active_adapters if name in self.lora_A]
+        # lora_A's own module dict: `self.lora_A` and `in` on the ModuleDict are each a Python call
+        # (1.2 against 0.4 us for this method on the CPU machine; a group asks each member per call).
+        lora_a = self._modules["lora_A"]._modules
+        return [name for name in self.active_adapters if name in lora_a]
 
     # -- the forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
