@@ -228,6 +228,39 @@ def test_gated_mlp_saves_only_x_and_the_preactivations():
     assert shapes == sorted([(2, 5, 48), (10, 88), (10, 88), (10, 8), (10, 4)]), shapes
 
 
+def test_members_of_other_adapters_or_dtypes_run_one_by_one():
+    """A group fuses only members that share their active adapters and their dtype plan; otherwise
+    each member runs its own fused projection, and the group counts why."""
+    x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(6))
+    # Several active adapters, one of them on q and v only: k's active adapters differ from q's.
+    fast, peft = toy_pair()
+    second = dict(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"])
+    fast.add_adapter("second", FastLoraConfig(**second))
+    peft.add_adapter("second", LoraConfig(**second))
+    randomize_lora(fast, seed=3)
+    copy_lora(fast, peft)
+    for model in (fast, peft):
+        model.base_model.set_adapter(["default", "second"])
+    (group,) = fast.fastlora_groups()
+    assert_step_matches_peft(fast, peft, x)
+    assert group.fused_calls == 0
+    assert group.unfused_calls == {"members have different active adapters": 3}  # one a member call
+
+    # k's base weight cast to bf16 after injection, q's and v's fp32: the members plan x differently.
+    fast, peft = toy_pair()
+    (group,) = fast.fastlora_groups()
+    fast.base_model.model.attn.k_proj.base_layer.to(torch.bfloat16)
+    with count_lora_sublayer_calls(fast) as calls:
+        outputs = fast(x)
+    assert not calls
+    assert group.fused_calls == 0 and group.unfused_calls == {"members' dtype plans differ": 3}
+    assert autograd_node_names(*outputs).count(FUSED_BACKWARD_NODE) == 3
+    expected = peft(x)
+    for index in (0, 2):  # q and v as PEFT has them; k's own projection ran in bf16
+        assert rel_err(outputs[index], expected[index]) < 1e-5
+    assert outputs[1].dtype == torch.float32 and rel_err(outputs[1], expected[1]) < 2e-2
+
+
 def test_groups_follow_disable_merge_switch_and_unload():
     fast, peft = llama_pair()
     ids = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(1))
