@@ -173,6 +173,33 @@ def test_plan_launches_what_the_launcher_would(recorded_launches, widths):  # no
     assert floats[:MAX_MEMBERS] == [0.5 + 1 + min(i, len(widths) - 1) for i in range(MAX_MEMBERS)]
 
 
+def test_where_it_pays_off_launches_from_its_plan_without_the_fit_check(recorded_launches, monkeypatch):  # noqa: F811
+    """`lora_addmm_group_where_it_pays_off` is None wherever `lora_addmm_group_pays_off` says no, and
+    elsewhere launches; a call of the first one's metadata launches from its plan without asking
+    `group_fits_tma` (a plan is made only by the TMA launch), and a mode that rules the group out
+    still does so with a plan made."""
+    from test_launch_plans import _THROUGH_CACHE
+
+    monkeypatch.setattr(group_module, "runs_triton", lambda tensor: True)  # CPU tensors reach the launcher
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    fit_checks = []
+    fits = group_module.group_fits_tma
+    monkeypatch.setattr(group_module, "group_fits_tma", lambda *args: fit_checks.append(1) or fits(*args))
+    where = group_module.lora_addmm_group_where_it_pays_off
+    a, b, left, right, scale = _operands(33, 40, (72, 24), BF16, FP32)
+    assert where(a, b, left, right, scale, BF16) is not None
+    assert len(recorded_launches) == 1 and fit_checks
+    fit_checks.clear()
+    a2, b2, left2, right2, scale2 = _operands(33, 40, (72, 24), BF16, FP32, seed=1)
+    assert len(where(a2, b2, left2, right2, scale2, BF16)) == 2
+    assert not fit_checks and len(recorded_launches) == 2 and len(_THROUGH_CACHE) == 1  # from the plan
+    assert where(a, b, left, right, scale, FP32) is None  # an fp32 output
+    assert where(a, [b[0], b[1].contiguous()], left, right, scale, BF16) is None  # a row-major b
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "never")
+    assert where(a2, b2, left2, right2, scale2, BF16) is None
+    assert len(recorded_launches) == 2
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
 )

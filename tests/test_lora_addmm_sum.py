@@ -356,6 +356,32 @@ def test_plan_launches_what_the_launcher_would(recorded_launches, ks):  # noqa: 
     assert list(launch[scale_at - 6 : scale_at]) == [33, 40, *ks, *[0] * (MAX_MEMBERS - len(ks)), 16]
 
 
+def test_where_it_pays_off_launches_from_its_plan_without_the_fit_check(recorded_launches, monkeypatch):  # noqa: F811
+    """`lora_addmm_sum_where_it_pays_off` is None wherever `lora_addmm_sum_pays_off` says no, and
+    elsewhere launches; a call of the first one's metadata launches from its plan without asking
+    `sum_fits_tma`, and a mode that rules the sum out still does so with a plan made."""
+    from test_launch_plans import _THROUGH_CACHE
+
+    monkeypatch.setattr(sum_module, "runs_triton", lambda tensor: True)  # CPU tensors reach the launcher
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
+    fit_checks = []
+    fits = sum_module.sum_fits_tma
+    monkeypatch.setattr(sum_module, "sum_fits_tma", lambda *args: fit_checks.append(1) or fits(*args))
+    where = sum_module.lora_addmm_sum_where_it_pays_off
+    a, b, left, right = _operands(33, (24, 40), 40, 16, BF16, FP32)
+    assert where(a, b, left, right, 2.0, BF16) is not None
+    assert len(recorded_launches) == 1 and fit_checks
+    fit_checks.clear()
+    a2, b2, left2, right2 = _operands(33, (24, 40), 40, 16, BF16, FP32, seed=1)
+    assert where(a2, b2, left2, right2, 3.0, BF16).shape == (33, 40)
+    assert not fit_checks and len(recorded_launches) == 2 and len(_THROUGH_CACHE) == 1  # from the plan
+    assert where(a, b, left, right, 2.0, FP32) is None  # dX wanted in fp32
+    assert where(a, [b[0], b[1].t().contiguous().t()], left, right, 2.0, BF16) is None  # a K-major b
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "never")
+    assert where(a2, b2, left2, right2, 3.0, BF16) is None
+    assert len(recorded_launches) == 2
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
 )

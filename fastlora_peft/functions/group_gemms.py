@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..dtypes import DtypePlan
-from ..kernels.lora_addmm_group import lora_addmm_group, lora_addmm_group_may_take, lora_addmm_group_pays_off
-from ..kernels.lora_addmm_sum import lora_addmm_sum, lora_addmm_sum_may_take, lora_addmm_sum_pays_off
+from ..kernels.lora_addmm_group import lora_addmm_group_may_take, lora_addmm_group_where_it_pays_off
+from ..kernels.lora_addmm_sum import lora_addmm_sum_may_take, lora_addmm_sum_where_it_pays_off
 from .frozen_base import (
     FrozenBase,
     LoraWeights,
@@ -65,10 +65,10 @@ def grouped_forward(
     weights = materialize_weights(bases, plan.compute_dtype)
     weights_t = [weight.t() for weight in weights]
     lefts = [xa[:, columns] for columns in ranks]
-    if not lora_addmm_group_pays_off(x_compute, weights_t, lefts, plan.out_dtype):
-        return None, weights
     rights = [lora.lora_b for lora in loras]
-    return lora_addmm_group(x_compute, weights_t, lefts, rights, [lora.scale for lora in loras]), None
+    scales = [lora.scale for lora in loras]
+    outputs = lora_addmm_group_where_it_pays_off(x_compute, weights_t, lefts, rights, scales, plan.out_dtype)
+    return (None, weights) if outputs is None else (outputs, None)
 
 
 def summed_grad_x(
@@ -82,7 +82,8 @@ def summed_grad_x(
 ) -> tuple[Optional[torch.Tensor], Optional[list[torch.Tensor]]]:
     """(dX = sum_i g_i W_i plus the LoRA terms from one `lora_addmm_sum` GEMM, None), or (None, the
     weights made or None): no `addmm_` rereading and rewriting dX per member past the first.
-    right_operand: makes the term's right operand (the stacked A^T), called only when it runs."""
+    right_operand: makes the term's right operand (the stacked A^T), called once the sum may run (its
+    plan's key holds it)."""
     if not lora_addmm_sum_may_take(grads_2d, plan.compute_dtype, x_dtype) or not group_weights_fit(
         bases, plan
     ):
@@ -90,6 +91,7 @@ def summed_grad_x(
     compute = plan.compute_dtype
     grads_compute = [grad if grad.dtype == compute else grad.to(compute) for grad in grads_2d]
     weights = materialize_weights(bases, plan.compute_dtype)
-    if not lora_addmm_sum_pays_off(grads_compute, weights, x_dtype):
-        return None, weights
-    return lora_addmm_sum(grads_compute, weights, grad_xa, right_operand(), lora_scale), None
+    grad_x = lora_addmm_sum_where_it_pays_off(
+        grads_compute, weights, grad_xa, right_operand(), lora_scale, x_dtype
+    )
+    return (None, weights) if grad_x is None else (grad_x, None)

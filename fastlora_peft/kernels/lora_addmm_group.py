@@ -24,7 +24,7 @@ Triton interpreter, as for every op here.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -148,6 +148,32 @@ def lora_addmm_group_pays_off(
     """Whether a group's forward (`a @ b_i` plus each member's term into `out_dtype`) should run as
     one `lora_addmm_group` call: `lora_addmm_group_may_take`, and the TMA kernel reads every member."""
     return lora_addmm_group_may_take(a, out_dtype) and group_fits_tma(a, b, left)
+
+
+def lora_addmm_group_where_it_pays_off(
+    a: torch.Tensor,
+    b: Sequence[torch.Tensor],
+    left: Sequence[torch.Tensor],
+    right: Sequence[torch.Tensor],
+    scale: Sequence[float],
+    out_dtype: torch.dtype,
+) -> Optional[list[torch.Tensor]]:
+    """`lora_addmm_group(a, b, left, right, scale)` where `lora_addmm_group_pays_off`, else None.
+
+    An eager call that launch plans serve looks its plan up first, and a hit needs no fit check: a
+    plan is made only by the TMA launch, which only inputs that fit reach, and its key holds all that
+    `group_fits_tma` reads (as lora_terms' `_PLANS_SKIP_CHECKS`). The check and the key each cost
+    about 5 us on the CPU machine; a fused q/k/v forward made both.
+    """
+    if not lora_addmm_group_may_take(a, out_dtype):
+        return None
+    if _GROUP_PLANS.serve(a) and skips_op_dispatch(a, *b, *left, *right):
+        plan = _GROUP_PLANS.get(_group_plan_key(a, b, left, right))
+        if plan is not None:
+            return _run_group_plan(plan, a, b, left, right, scale)
+    if not group_fits_tma(a, b, left):
+        return None
+    return lora_addmm_group(a, b, left, right, scale)
 
 
 def _lora_addmm_group_tma_triton(

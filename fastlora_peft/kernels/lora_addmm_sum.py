@@ -20,7 +20,7 @@ on the CPU outside the Triton interpreter, as for every op here.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -139,6 +139,31 @@ def lora_addmm_sum_pays_off(
     """Whether a group's `sum_i a_i @ b_i` plus its LoRA term into `out_dtype` should run as one
     `lora_addmm_sum` call: `lora_addmm_sum_may_take`, and the TMA kernel reads every member."""
     return lora_addmm_sum_may_take(a, a[0].dtype, out_dtype) and sum_fits_tma(a, b)
+
+
+def lora_addmm_sum_where_it_pays_off(
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """`lora_addmm_sum(a, b, left, right, scale)` where `lora_addmm_sum_pays_off`, else None.
+
+    An eager call that launch plans serve looks its plan up first, and a hit needs no fit check (see
+    `lora_addmm_group_where_it_pays_off`: a plan is made only by the TMA launch, and its key holds all
+    that `sum_fits_tma` reads).
+    """
+    if not lora_addmm_sum_may_take(a, a[0].dtype, out_dtype):
+        return None
+    if _SUM_PLANS.serve(a[0]) and skips_op_dispatch(*a, *b, left, right):
+        plan = _SUM_PLANS.get(_sum_plan_key(a, b, left, right))
+        if plan is not None:
+            return _run_sum_plan(plan, a, b, left, right, scale)
+    if not sum_fits_tma(a, b):
+        return None
+    return lora_addmm_sum(a, b, left, right, scale)
 
 
 def _lora_addmm_sum_tma_triton(
