@@ -217,8 +217,15 @@ class _ShrinkConfig(NamedTuple):
     per_sm: Optional[int] = None  # None: as many as the tiles' shared memory allows
 
 
-def _shrink_config(x: torch.Tensor, weight: torch.Tensor, block_r: int | None = None) -> _ShrinkConfig:
-    """block_r: a rank tile the caller chose (tests, tuners), which the warps and wide tiles follow."""
+def _shrink_config(
+    x: torch.Tensor, weight: torch.Tensor, block_r: int | None = None, grouped: bool = False
+) -> _ShrinkConfig:
+    """block_r: a rank tile the caller chose (tests, tuners), which the warps and wide tiles follow.
+    grouped: the tiles of `lora_shrink_group`'s members, which keep 32-row tiles with 16-bit weights
+    over a wide rank tile: H200, q/k/v's three dY_i @ B_i with bf16 B at ranks 32 and 64, kernel time,
+    us, 32-row tiles against `_WIDE_NATIVE_LAUNCH`: 13.7 / 15.2 and 18.3 / 22.7 at 2048 tokens, 36.0 /
+    33.8 and 41.6 / 41.6 at 8192, 63.8 / 61.7 and 77.0 / 76.5 at 16384
+    (`docs/benchmarks/session31/native_wide_group_probe.log`)."""
     mode = dot_mode(x, weight)
     copy_weight = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
     # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
@@ -228,7 +235,7 @@ def _shrink_config(x: torch.Tensor, weight: torch.Tensor, block_r: int | None = 
     num_warps, num_stages = 8 if block_r > 64 else 4, 4
     if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
         block_m, block_k, num_warps, num_stages = _WIDE_SPLIT_LAUNCH
-    if sixteen_bit and 32 <= block_r <= 64:  # measured there only (ranks 32, 48 and 64)
+    if sixteen_bit and 32 <= block_r <= 64 and not grouped:  # measured there only (ranks 32, 48 and 64)
         block_m, block_k, num_warps, num_stages = _WIDE_NATIVE_LAUNCH
         return _ShrinkConfig(mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages, True, 1)
     return _ShrinkConfig(
@@ -473,7 +480,7 @@ def _lora_shrink_stacked_body(
     stacked = torch.empty((sum(ranks), xs[0].shape[0]), dtype=_stacked_dtype(xs[0]), device=xs[0].device)
     if runs_triton(xs[0]) and _shrinks_group(xs, weights):
         _check_shrink_stacked(xs, weights, scales)
-        config = _shrink_config(xs[0], weights[0])
+        config = _shrink_config(xs[0], weights[0], grouped=True)
         launched = launch_shrink_group(
             xs, weights, scales, stacked.T, block_m=config.block_m, block_k=config.block_k,
             block_r=config.block_r, num_warps=config.num_warps, num_stages=config.num_stages,
