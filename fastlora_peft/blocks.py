@@ -95,13 +95,12 @@ class BlockGroup:
         """The members' one dtype plan for `x`, or None where they differ. Plans of one x differ only
         by each member's base compute dtype and quantization (`plan_projection_dtypes`), so those
         are compared and one plan is made."""
-        members = self.members
-        first = members[0]
-        for member in members[1:]:
-            same = member.is_quantized == first.is_quantized
-            if not same or member.base_compute_dtype(x) != first.base_compute_dtype(x):
+        first = self.members[0]
+        base_dtype = first.base_compute_dtype(x)
+        for member in self.members[1:]:
+            if member.is_quantized != first.is_quantized or member.base_compute_dtype(x) != base_dtype:
                 return None
-        return first.dtype_plan(x)
+        return first.dtype_plan(x, base_dtype)
 
     def describe(self) -> str:
         return f"{self.kind}:{self.parent_name}"

@@ -209,9 +209,11 @@ class FusedProjectionMixin:
         lora_b = torch.cat([self.lora_B[name].weight * self.scaling[name] for name in adapter_names], dim=1)
         return LoraWeights(lora_a, lora_b, 1.0)
 
-    def dtype_plan(self, x: torch.Tensor) -> DtypePlan:
+    def dtype_plan(self, x: torch.Tensor, base_dtype: Optional[torch.dtype] = None) -> DtypePlan:
+        """base_dtype: `base_compute_dtype(x)`, when the caller has it already."""
+        base_dtype = self.base_compute_dtype(x) if base_dtype is None else base_dtype
         return plan_projection_dtypes(
-            x.dtype, self.base_compute_dtype(x), quantized=self.is_quantized, device_type=x.device.type
+            x.dtype, base_dtype, quantized=self.is_quantized, device_type=x.device.type
         )
 
     def check_input(self, x: torch.Tensor) -> None:
