@@ -105,6 +105,17 @@ def recorded_launches(monkeypatch) -> list[tuple]:
     return calls
 
 
+def counted_fit_checks(monkeypatch, module, fits_name: str) -> list:
+    """Calls of `module`'s TMA fit check `fits_name`, with `module`'s CPU tensors reaching its
+    launcher and `LoraAddmmSettings.mode` "always" (for the `*_where_it_pays_off` tests)."""
+    monkeypatch.setattr(module, "runs_triton", lambda tensor: True)
+    monkeypatch.setattr(lora_addmm.LoraAddmmSettings, "mode", "always")
+    checks: list = []
+    fits = getattr(module, fits_name)
+    monkeypatch.setattr(module, fits_name, lambda *args: checks.append(args) or fits(*args))
+    return checks
+
+
 _ENCODED_ADDRESSES: list[int] = []
 
 

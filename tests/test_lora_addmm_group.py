@@ -178,13 +178,9 @@ def test_where_it_pays_off_launches_from_its_plan_without_the_fit_check(recorded
     elsewhere launches; a call of the first one's metadata launches from its plan without asking
     `group_fits_tma` (a plan is made only by the TMA launch), and a mode that rules the group out
     still does so with a plan made."""
-    from test_launch_plans import _THROUGH_CACHE
+    from test_launch_plans import _THROUGH_CACHE, counted_fit_checks
 
-    monkeypatch.setattr(group_module, "runs_triton", lambda tensor: True)  # CPU tensors reach the launcher
-    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
-    fit_checks = []
-    fits = group_module.group_fits_tma
-    monkeypatch.setattr(group_module, "group_fits_tma", lambda *args: fit_checks.append(1) or fits(*args))
+    fit_checks = counted_fit_checks(monkeypatch, group_module, "group_fits_tma")
     where = group_module.lora_addmm_group_where_it_pays_off
     a, b, left, right, scale = _operands(33, 40, (72, 24), BF16, FP32)
     assert where(a, b, left, right, scale, BF16) is not None

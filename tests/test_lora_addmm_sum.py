@@ -366,13 +366,9 @@ def test_where_it_pays_off_launches_from_its_plan_without_the_fit_check(recorded
     """`lora_addmm_sum_where_it_pays_off` is None wherever `lora_addmm_sum_pays_off` says no, and
     elsewhere launches; a call of the first one's metadata launches from its plan without asking
     `sum_fits_tma`, and a mode that rules the sum out still does so with a plan made."""
-    from test_launch_plans import _THROUGH_CACHE
+    from test_launch_plans import _THROUGH_CACHE, counted_fit_checks
 
-    monkeypatch.setattr(sum_module, "runs_triton", lambda tensor: True)  # CPU tensors reach the launcher
-    monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
-    fit_checks = []
-    fits = sum_module.sum_fits_tma
-    monkeypatch.setattr(sum_module, "sum_fits_tma", lambda *args: fit_checks.append(1) or fits(*args))
+    fit_checks = counted_fit_checks(monkeypatch, sum_module, "sum_fits_tma")
     where = sum_module.lora_addmm_sum_where_it_pays_off
     a, b, left, right = _operands(33, (24, 40), 40, 16, BF16, FP32)
     assert where(a, b, left, right, 2.0, BF16) is not None
