@@ -158,8 +158,9 @@ _WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 # this launch: rank 48 at 2048 tokens 14.1 -> 10.8, 4096 19.0 -> 16.1, 8192 31.1 -> 26.5, 16384
 # 74.5 -> 44.5; rank 64: 12.9 -> 10.6, 17.0 -> 15.8, 28.8 -> 25.1, 60.1 -> 44.0; rank 32: 10.1 ->
 # 9.7, 16.2 -> 14.6, 24.8 -> 24.6, 43.8 -> 41.1 (`docs/benchmarks/session31/native_wide_shrink_probe.log`).
-# The shared-memory count of `shrink_shared_bytes` would allow two programs per SM at rank 32; one
-# was faster there at every token count (two: 15.8 against 14.6 at 4096 tokens).
+# The shared-memory count of `shrink_shared_bytes` would allow two programs per SM at rank 32, so
+# twice the splits: 2048 tokens in eight, 4096 in four. Not timed with these tiles; with 3 stages,
+# four splits at 4096 tokens read 15.8 against 14.6 for this launch's two.
 _WIDE_NATIVE_LAUNCH = (64, 128, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
