@@ -171,7 +171,7 @@ def lora_addmm_group_where_it_pays_off(
         plan = _GROUP_PLANS.get(_group_plan_key(a, b, left, right))
         if plan is not None:
             return _run_group_plan(plan, a, b, left, right, scale)
-    if not group_fits_tma(a, b, left):
+    if not lora_addmm_group_pays_off(a, b, left, out_dtype):  # a miss: the whole rule, fit included
         return None
     return lora_addmm_group(a, b, left, right, scale)
 

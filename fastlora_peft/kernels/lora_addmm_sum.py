@@ -161,7 +161,7 @@ def lora_addmm_sum_where_it_pays_off(
         plan = _SUM_PLANS.get(_sum_plan_key(a, b, left, right))
         if plan is not None:
             return _run_sum_plan(plan, a, b, left, right, scale)
-    if not sum_fits_tma(a, b):
+    if not lora_addmm_sum_pays_off(a, b, out_dtype):  # a miss: the whole rule, fit included
         return None
     return lora_addmm_sum(a, b, left, right, scale)
 
