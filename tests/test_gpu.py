@@ -73,12 +73,13 @@ def test_projection_dx_through_lora_addmm_at_8b_sizes(layout: Layout, projection
     """The same float64 bound with the forward's GEMM and dX made by `lora_addmm` (forced with
     "always", so every layout below takes it whatever "auto" decides; at these sizes its TMA kernel,
     with k's forward on the few-tiles config)."""
-    from fastlora_peft.functions import shared_input
-    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings, lora_addmm
+    from test_lora_addmm import count_lora_addmm_launches
+
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
     calls = []
-    monkeypatch.setattr(shared_input, "lora_addmm", lambda *args: calls.append(args) or lora_addmm(*args))
+    count_lora_addmm_launches(monkeypatch, lambda *args: calls.append(args))
     test_projection_at_8b_sizes(layout, projection)
     assert len(calls) == 2  # the forward (no bias here) and dX
 

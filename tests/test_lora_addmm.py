@@ -26,6 +26,7 @@ from conftest import (
     tiny_llama,
 )
 from peft import get_peft_model
+from test_launch_plans import recorded_launches  # noqa: F401
 from test_projection_numerics import ERROR_FLOOR, adapt, float64_reference, make_projection, run_projection
 
 from fastlora_peft import FastLoraConfig
@@ -238,17 +239,55 @@ def test_pays_off_only_where_measured(monkeypatch):
     assert not lora_addmm_pays_off(a, b.half(), BF16)
 
 
+def test_where_it_pays_off_launches_from_its_plan_without_the_fit_check(recorded_launches, monkeypatch):  # noqa: F811
+    """`lora_addmm_where_it_pays_off` is None wherever `lora_addmm_pays_off` says no, and elsewhere
+    launches. Under "auto" (its device and row rule standing in for a Hopper GPU) the first call asks
+    `tma_fits` and makes the TMA plan; a call of the same metadata launches from that plan without
+    asking it; "never" still rules it out with a plan made."""
+    from test_launch_plans import _THROUGH_CACHE, counted_fit_checks
+
+    fit_checks = counted_fit_checks(monkeypatch, addmm_module, "tma_fits")
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "auto")
+    monkeypatch.setattr(addmm_module, "_auto_device_and_rows", lambda a: True)
+    where = addmm_module.lora_addmm_where_it_pays_off
+    layouts = ("transposed", "token", "transposed")  # the forward's K-major weight, lora_a.T's right
+    a, b, left, right = _operands(33, 40, 24, 16, BF16, FP32, *layouts)
+    assert where(a, b, left, right, SCALE, BF16) is not None
+    assert len(recorded_launches) == 1 and fit_checks and len(_THROUGH_CACHE) == 1
+    fit_checks.clear()
+    a2, b2, left2, right2 = _operands(33, 40, 24, 16, BF16, FP32, *layouts, seed=1)
+    assert where(a2, b2, left2, right2, SCALE, BF16).shape == (33, 24)
+    assert not fit_checks and len(recorded_launches) == 2 and len(_THROUGH_CACHE) == 1  # from the plan
+    assert where(a, b, left, right, SCALE, FP32) is None  # dX wanted in fp32
+    assert where(a, b.half(), left, right, SCALE, BF16) is None
+    assert where(*_operands(33, 40, 20, 16, BF16, FP32, *layouts), SCALE, BF16) is None  # 40-byte rows
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "never")
+    assert where(a2, b2, left2, right2, SCALE, BF16) is None
+    assert len(recorded_launches) == 2
+
+
+def count_lora_addmm_launches(monkeypatch, record) -> None:
+    """Calls `record(a, b, left, right, scale)` for each lora_addmm the fused Functions launch (a
+    `lora_addmm_where_it_pays_off` that did not answer None)."""
+    where = shared_input.lora_addmm_where_it_pays_off
+
+    def counting(a, b, left, right, scale, out_dtype):
+        result = where(a, b, left, right, scale, out_dtype)
+        if result is not None:
+            record(a, b, left, right, scale)
+        return result
+
+    monkeypatch.setattr(shared_input, "lora_addmm_where_it_pays_off", counting)
+
+
 @pytest.fixture
 def addmm_calls(monkeypatch) -> list[tuple[int, int]]:
     """Forces the lora_addmm dX path and records each call's (rows, rank) as the Functions make it."""
     monkeypatch.setattr(LoraAddmmSettings, "mode", "always")
     calls: list[tuple[int, int]] = []
-
-    def counting(a, b, left, right, scale):
-        calls.append((a.shape[0], left.shape[1]))
-        return lora_addmm(a, b, left, right, scale)
-
-    monkeypatch.setattr(shared_input, "lora_addmm", counting)
+    count_lora_addmm_launches(
+        monkeypatch, lambda a, b, left, right, scale: calls.append((a.shape[0], left.shape[1]))
+    )
     return calls
 
 
@@ -344,7 +383,7 @@ def test_tiny_llama_dx_through_lora_addmm(dtype_id, adapter_dtype, monkeypatch):
         return x.grad, lora_grads(fast)
 
     calls = []
-    monkeypatch.setattr(shared_input, "lora_addmm", lambda *args: calls.append(args) or lora_addmm(*args))
+    count_lora_addmm_launches(monkeypatch, lambda *args: calls.append(args))
     # The groups' dX through lora_addmm + addmm_ and their forward through lora_addmm per member, not
     # one lora_addmm_sum or lora_addmm_group (their own tests).
     monkeypatch.setattr(LoraAddmmSettings, "sum_members", False)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DtypePlan, autocast_off
-from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm, lora_addmm_auto_takes, lora_addmm_pays_off
+from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm_auto_takes, lora_addmm_where_it_pays_off
 from ..kernels.lora_addmm_sum import MAX_MEMBERS
 from ..kernels.lora_terms import (
     lora_expand_add,
@@ -131,13 +131,18 @@ def shared_input_forward(
         weight, weights = _next_weight(base, plan, weights, index)
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         destination = None if out is None else out[index]
+        # One projection's term reads all of xa (no slice to make).
+        left = xa if len(loras) == 1 else xa[:, ranks]
         if destination is None and bias is None and LoraAddmmSettings.mode != "never":
             # The term inside the GEMM (`lora_addmm`, x @ W.T as a K-major b) where it pays off: one
             # launch and no second pass over the output. (The mode is read first, so "never" pays no
             # host time here.)
             weight_t = weight.t()
-            if lora_addmm_pays_off(x_compute, weight_t, plan.out_dtype):
-                outputs.append(lora_addmm(x_compute, weight_t, xa[:, ranks], lora.lora_b, lora.scale))
+            result = lora_addmm_where_it_pays_off(
+                x_compute, weight_t, left, lora.lora_b, lora.scale, plan.out_dtype
+            )
+            if result is not None:
+                outputs.append(result)
                 del weight, weight_t
                 continue
         if destination is not None and destination.dtype == plan.compute_dtype:
@@ -146,7 +151,7 @@ def shared_input_forward(
         else:
             base_out = F.linear(x_compute, weight, bias)
         del weight  # a dequantized 4-bit weight goes before the next one is made (one at the peak)
-        result = _add_lora_term(base_out, xa[:, ranks], lora.lora_b, lora.scale, plan.out_dtype)
+        result = _add_lora_term(base_out, left, lora.lora_b, lora.scale, plan.out_dtype)
         if destination is not None and result is not destination:
             destination.copy_(result)
             result = destination
@@ -244,6 +249,7 @@ def shared_input_grad_x(
     `group_lora_a_t`, or None to stack the As here.
     """
     grad_x_base = None
+    term_right = None  # the term's right operand: made where the first GEMM runs with the term pending
     term_pending = with_lora_term  # until one GEMM (augmented, lora_addmm) or the expand-add adds it
     tokens = grads_2d[0].shape[0]
     # lora_addmm forced ("always", its tests and probes) keeps the term it was asked to carry, and
@@ -281,17 +287,20 @@ def shared_input_grad_x(
         weight, weights = _next_weight(base, plan, weights, index)
         if grad_x_base is not None:
             grad_x_base.addmm_(grad_compute, weight)
-        elif term_pending and lora_addmm_pays_off(grad_compute, weight, x_dtype):
-            right = _right_operand_of_dx_term(loras, lora_a_t)
-            grad_x_base = lora_addmm(grad_compute, weight, grad_xa, right, lora_scale)
-            term_pending = False
+        elif term_pending:  # the term's right operand is read either way: by lora_addmm or below
+            term_right = _right_operand_of_dx_term(loras, lora_a_t)
+            grad_x_base = lora_addmm_where_it_pays_off(
+                grad_compute, weight, grad_xa, term_right, lora_scale, x_dtype
+            )
+            term_pending = grad_x_base is None
+            if term_pending:
+                grad_x_base = grad_compute @ weight
         else:
             grad_x_base = grad_compute @ weight
         del weight, grad_compute  # as in the forward: one materialized weight at a time
     if not term_pending:
         return grad_x_base if grad_x_base.dtype == x_dtype else grad_x_base.to(x_dtype)
-    right = _right_operand_of_dx_term(loras, lora_a_t)
-    return _add_lora_term(grad_x_base, grad_xa, right, lora_scale, x_dtype)
+    return _add_lora_term(grad_x_base, grad_xa, term_right, lora_scale, x_dtype)
 
 
 def lora_input_grad(

@@ -77,7 +77,7 @@ outside the Triton interpreter, as for every op here.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -132,16 +132,51 @@ def lora_addmm_auto_takes(grad: torch.Tensor, compute_dtype: torch.dtype, out_dt
     )
 
 
-def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether `a @ b` plus a LoRA term into `out_dtype` should run as one `lora_addmm` call."""
+def lora_addmm_may_take(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """What `lora_addmm_pays_off` checks before the TMA fit: 16-bit a and b of the output's dtype,
+    and "always", or "auto" on a Hopper GPU from `min_tokens` rows."""
     mode = LoraAddmmSettings.mode
     if mode == "never" or a.dtype != b.dtype or a.dtype != out_dtype:
         return False
     if a.dtype not in _SIXTEEN_BIT:  # fp32 GEMMs stay cuBLAS's (no tf32 here)
         return False
-    if mode == "always":
-        return True
-    return _auto_device_and_rows(a) and tma_fits(a, b)
+    return mode == "always" or _auto_device_and_rows(a)
+
+
+def lora_addmm_pays_off(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether `a @ b` plus a LoRA term into `out_dtype` should run as one `lora_addmm` call: "always"
+    wherever `lora_addmm_may_take` (the pointer kernel where TMA cannot read), "auto" where the TMA
+    kernel reads the operands too."""
+    if not lora_addmm_may_take(a, b, out_dtype):
+        return False
+    return LoraAddmmSettings.mode == "always" or tma_fits(a, b)
+
+
+def lora_addmm_where_it_pays_off(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """`lora_addmm(a, b, left, right, scale)` where `lora_addmm_pays_off`, else None.
+
+    As `lora_addmm_group_where_it_pays_off`: an eager call that launch plans serve looks its TMA plan
+    up first, and a hit needs no fit check (a plan is made only by the TMA launch, which only inputs
+    that fit reach, and its key holds all that `tma_fits` reads). Asking `lora_addmm_pays_off` and
+    then the op made the fit check (about 10 us of the H200 machine's host) and then the key, twice
+    in an o_proj step (its forward and its dX).
+    """
+    if not lora_addmm_may_take(a, b, out_dtype):
+        return None
+    if _TMA_PLANS.serve(a) and skips_op_dispatch(a, b, left, right):
+        plan = _TMA_PLANS.get(_tma_plan_key(a, b, left, right))
+        if plan is not None:
+            return _run_tma_plan(plan, a, b, left, right, scale)
+    if not lora_addmm_pays_off(a, b, out_dtype):  # a miss: the whole rule, fit included
+        return None
+    return lora_addmm(a, b, left, right, scale)
 
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
