@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import dequant4bit_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bitsandbytes' blocksizes for 4-bit weights. The kernel needs a power of two of at least 2.
@@ -246,7 +246,7 @@ def _run_dequantize_plan(
     out_dtype: torch.dtype,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    out = torch.empty((rows, cols), dtype=out_dtype, device=plan.device) if out is None else out
+    out = empty_2d(rows, cols, out_dtype, plan.device) if out is None else out
     plan.launch(*plan.arguments(tensors), out, *plan.sizes)
     return out
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import dequant4bit_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels.dequant4bit import (
     _ELEMENTS_PER_PROGRAM,
     Quant4bitState,
@@ -119,7 +119,7 @@ def _group_plan_key(flat_members: tuple, blocksize: int, nested_blocksize: int, 
 
 
 def _empty_outs(members: Sequence[Member], out_dtype: torch.dtype, device: torch.device) -> list:
-    return [torch.empty((member.rows, member.cols), dtype=out_dtype, device=device) for member in members]
+    return [empty_2d(member.rows, member.cols, out_dtype, device) for member in members]
 
 
 def _dequantize_4bit_group_triton(

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from ._lora_common import _num_sms, _rank_block
 from .dots import activation_dot, dot_mode, dot_precision
 from .gated_act import (
@@ -249,7 +249,7 @@ def _weight_grad_plan_key(grad_h, gate, up, activation, left) -> tuple:
 def _run_weight_grad_plan(plan: _WeightGradPlan, grad_h, gate, up, left, scale) -> torch.Tensor:
     grad_h = _unit_column_stride(grad_h)  # as the launcher does: the key holds grad_h's strides
     left = left.T.contiguous().T if plan.copy_left else left
-    out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device)
+    out = empty_2d(*plan.out_shape, torch.float32, plan.device)
     partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
     M, n_cols, R = plan.sizes
     plan.launch(

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from ._lora_common import _rank_block
 from .dots import expand_dot_precision
 from .gated_act import _activation_and_derivative, _check_inputs
@@ -195,7 +195,7 @@ def _run_forward_plan(
 ):
     gate_right = gate_right.contiguous() if plan.copy_gate_right else gate_right
     up_right = up_right.contiguous() if plan.copy_up_right else up_right
-    h = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
+    h = empty_2d(*plan.shape, plan.dtype, plan.device)
     plan.launch(
         gate, up, h, gate_left, gate_right, up_left, up_right,
         *plan.shape, *plan.ranks, float(gate_scale), float(up_scale), *plan.strides,

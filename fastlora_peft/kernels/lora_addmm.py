@@ -86,7 +86,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels._lora_common import _num_sms
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_expand_add import expand_term
@@ -505,7 +505,7 @@ def _tma_plan_key(a, b, left, right) -> tuple:
 
 def _run_tma_plan(plan: _TmaPlan, a, b, left, right, scale) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
-    out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
+    out = empty_2d(*plan.out_shape, a.dtype, a.device)
     plan.launch(a, b.t() if plan.b_k_major else b, out, left, right, *plan.sizes, float(scale), *plan.strides)
     return out
 

@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_addmm import (
     _SIXTEEN_BIT,
@@ -241,7 +241,8 @@ def _group_plan_key(a, b, left, right) -> tuple:
 def _run_group_plan(plan: _GroupPlan, a, b, left, right, scale) -> list[torch.Tensor]:
     members = len(b)
     right = [r.contiguous() if copy else r for r, copy in zip(right, plan.copy_right)]
-    outs = [torch.empty((a.shape[0], n), dtype=a.dtype, device=a.device) for n in plan.widths]
+    rows = a.shape[0]
+    outs = [empty_2d(rows, n, a.dtype, a.device) for n in plan.widths]
     slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]
     plan.launch(
         a, *(b[i].t() for i in slot), *(outs[i] for i in slot), *(left[i] for i in slot),

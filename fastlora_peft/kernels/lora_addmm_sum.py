@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_addmm import (
     _SIXTEEN_BIT,
@@ -231,7 +231,7 @@ def _sum_plan_key(a, b, left, right) -> tuple:
 
 def _run_sum_plan(plan: _SumPlan, a, b, left, right, scale) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
-    out = torch.empty(plan.out_shape, dtype=a[0].dtype, device=a[0].device)
+    out = empty_2d(*plan.out_shape, a[0].dtype, a[0].device)
     last = len(a) - 1
     slots = []
     for i in range(MAX_MEMBERS):

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_augment_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -113,7 +113,7 @@ _AUGMENTED_LEFT_PLANS = LaunchPlans("lora_augmented_left")
 
 def _run_augmented_left_plan(plan: _AugmentedLeftPlan, grad, grad_xa, scale) -> torch.Tensor:
     tokens, width = plan.sizes[0], plan.sizes[3]
-    out = torch.empty((tokens, width), dtype=plan.dtype, device=plan.device)
+    out = empty_2d(tokens, width, plan.dtype, plan.device)
     plan.launch(grad, grad_xa, out, *plan.sizes, float(scale), *plan.strides)
     return out
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, tensor_key
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d, tensor_key
 from fastlora_peft.kernels._lora_common import (
     _CHECKED_DTYPES,
     _check_2d,
@@ -191,7 +191,7 @@ def _expand_add_plan_key(base, left, right, out_dtype, out, num_warps=4) -> tupl
 
 def _run_expand_add_plan(plan, base, left, right, scale, out) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
-    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+    out = empty_2d(*plan.out_shape, plan.out_dtype, plan.device) if out is None else out
     plan.launch(base, left, right, out, *plan.sizes, float(scale), *plan.strides)
     return out
 

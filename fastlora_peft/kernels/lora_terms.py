@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels._lora_common import (
     _check_2d,
     _check_devices,
@@ -300,7 +300,7 @@ def _lora_shrink_triton(
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
     # wants its left operand in, so xa and dY @ B reach it without a transposed copy. Deterministic:
     # the splits' partials are summed in split order inside the kernel (split_sum).
-    out = torch.empty((R, M), dtype=torch.float32, device=x.device).T if out is None else out
+    out = empty_2d(M, R, torch.float32, x.device, column_major=True) if out is None else out
     r_tiles = cdiv(R, block_r)
     partial, counters = (
         split_scratch(x.device, split * M * R, row_blocks * r_tiles) if split > 1 else (out, out)
@@ -317,7 +317,7 @@ def _lora_shrink_triton(
     if plan_key is not None and bound is not None:
         _SHRINK_PLANS.add(plan_key, _ShrinkPlan(
             bound, weight_copied, x.device,
-            (R, M), (split * M * R, row_blocks * r_tiles) if split > 1 else None,
+            (M, R), (split * M * R, row_blocks * r_tiles) if split > 1 else None,
             (M, K, R, k_per_split, split),
             (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1)),
         ))  # fmt: skip
@@ -330,7 +330,7 @@ class _ShrinkPlan(NamedTuple):
     launch: BoundLaunch
     copy_weight: bool  # the weight was copied to a contiguous one first (its strides below are the copy's)
     device: torch.device
-    out_shape: tuple[int, int]  # (R, M) of a new result's buffer (its transpose) where none is given
+    out_shape: tuple[int, int]  # (M, R) of a new (token-major) result where none is given
     scratch: Optional[tuple[int, int]]  # split_scratch's sizes when the launch splits K
     sizes: tuple[int, ...]  # M, K, R, k_per_split, n_splits
     strides: tuple[int, ...]
@@ -350,7 +350,7 @@ def _run_shrink_plan(
 ) -> torch.Tensor:
     weight = weight.contiguous() if plan.copy_weight else weight
     if out is None:
-        out = torch.empty(plan.out_shape, dtype=torch.float32, device=plan.device).T
+        out = empty_2d(*plan.out_shape, torch.float32, plan.device, column_major=True)
     partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
     plan.launch(x, weight, out, partial, counters, *plan.sizes, float(scale), *plan.strides)
     return out
@@ -474,9 +474,9 @@ def _lora_shrink_stacked_body(
         plan_key = _STACKED_PLANS.key(*xs, *weights, ShrinkGroupSettings.enabled)
         plan = _STACKED_PLANS.get(plan_key)
         if plan is not None:
-            stacked = torch.empty(plan.shape, dtype=torch.float32, device=plan.device)
-            plan.launch(xs, weights, scales, stacked.T)
-            return stacked.T
+            stacked = empty_2d(*plan.shape, torch.float32, plan.device, column_major=True)
+            plan.launch(xs, weights, scales, stacked)
+            return stacked
     ranks = [weight.shape[0] for weight in weights]
     stacked = torch.empty((sum(ranks), xs[0].shape[0]), dtype=_stacked_dtype(xs[0]), device=xs[0].device)
     if runs_triton(xs[0]) and _shrinks_group(xs, weights):
@@ -489,7 +489,7 @@ def _lora_shrink_stacked_body(
             sms=_num_sms(xs[0].device),
         )  # fmt: skip
         if plan_key is not None and launched is not None:
-            _STACKED_PLANS.add(plan_key, _StackedPlan(launched, stacked.shape, stacked.device))
+            _STACKED_PLANS.add(plan_key, _StackedPlan(launched, stacked.T.shape, stacked.device))
         return stacked.T
     start = 0
     for x, weight, scale, rank in zip(xs, weights, scales, ranks):
@@ -523,7 +523,7 @@ def _shrinks_group(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) 
 
 
 class _StackedPlan(NamedTuple):
-    """A grouped stacked shrink's launch and its output buffer ([sum R, M]: the result its transpose)."""
+    """A grouped stacked shrink's launch and its result's shape ([M, sum R], token-major)."""
 
     launch: ShrinkGroupLaunch
     shape: torch.Size

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels._lora_common import (
     _check_2d,
     _check_devices,
@@ -155,8 +155,7 @@ def _lora_weight_grad_triton(
     M, R = left.shape
     K = x.shape[1]
     # K-major ([K, R] in memory) when the caller wants the transpose contiguous (dB = result.T).
-    out = torch.empty((K, R) if k_major else (R, K), dtype=out_dtype, device=x.device)
-    out = out.T if k_major else out
+    out = empty_2d(R, K, out_dtype, x.device, column_major=k_major)
     if M == 0 or R == 0 or K == 0:
         return out.zero_()
     # The kernel wants left's token dim contiguous (see there): 91 vs 116us at rank 64, 157 vs 227us at
@@ -183,7 +182,7 @@ def _lora_weight_grad_triton(
     )  # fmt: skip
     if plan_key is not None and bound is not None:
         _WEIGHT_GRAD_PLANS.add(plan_key, _WeightGradPlan(
-            bound, left_copied, out_dtype, x.device, k_major, (K, R) if k_major else (R, K),
+            bound, left_copied, out_dtype, x.device, k_major, (R, K),
             (split * R * K, k_tiles * r_tiles) if split > 1 else None,
             (M, R, K), (rows_per_split, split),
             (left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1)),
@@ -199,7 +198,7 @@ class _WeightGradPlan(NamedTuple):
     out_dtype: torch.dtype
     device: torch.device
     k_major: bool
-    out_shape: tuple[int, int]  # of the buffer; the result is its transpose when k_major
+    out_shape: tuple[int, int]  # (R, K): column-major when k_major
     scratch: Optional[tuple[int, int]]
     sizes: tuple[int, ...]  # M, R, K
     splits: tuple[int, int]  # rows_per_split, n_splits
@@ -216,8 +215,7 @@ def _weight_grad_plan_key(left, x, k_major: bool, out_dtype: torch.dtype) -> tup
 
 def _run_weight_grad_plan(plan: _WeightGradPlan, left, x, scale) -> torch.Tensor:
     left = left.T.contiguous().T if plan.copy_left else left
-    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
-    out = out.T if plan.k_major else out
+    out = empty_2d(*plan.out_shape, plan.out_dtype, plan.device, column_major=plan.k_major)
     partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
     plan.launch(left, x, out, partial, counters, *plan.sizes, float(scale), *plan.splits, *plan.strides)
     return out

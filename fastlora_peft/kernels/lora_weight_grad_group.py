@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
-from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv
+from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels._lora_common import (
     _check_devices,
     _num_sms,
@@ -155,9 +155,7 @@ def _new_out(
     rank: int, columns: int, k_major: bool, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[rank, columns] of `dtype`: row-major, or with k_major its transpose contiguous (strides (1, rank))."""
-    if k_major:
-        return torch.empty((columns, rank), dtype=dtype, device=device).T
-    return torch.empty((rank, columns), dtype=dtype, device=device)
+    return empty_2d(rank, columns, dtype, device, column_major=k_major)
 
 
 def _slots(values: Sequence) -> list:
@@ -174,16 +172,15 @@ class _GroupLaunch(NamedTuple):
     head: tuple  # its scalar arguments before the scales (M, R, the K_i) ...
     tail: tuple  # ... and after them
     scratch: Optional[tuple[int, int]]  # split_scratch's sizes when it splits the tokens
-    buffers: tuple  # per member: (buffer shape, k_major: the output is the buffer's transpose)
+    buffers: tuple  # per member: (its output's shape, k_major: the output column-major)
     out_dtype: torch.dtype
     device: torch.device
 
     def __call__(self, lefts, xs, scales, outs) -> None:
         members, dtype, device = self.members, self.out_dtype, self.device
         group_outs = []
-        for i, (shape, transposed) in zip(members, self.buffers):
-            out = torch.empty(shape, dtype=dtype, device=device)
-            outs[i] = out = out.T if transposed else out
+        for i, (shape, k_major) in zip(members, self.buffers):
+            outs[i] = out = empty_2d(*shape, dtype, device, column_major=k_major)
             group_outs.append(out)
         scratch = self.scratch
         partial, counters = split_scratch(device, *scratch) if scratch else (group_outs[0],) * 2
@@ -342,10 +339,7 @@ def _lora_weight_grads_triton(
             outs[i] = _new_out(lefts[i].shape[1], xs[i].shape[1], k_major[i], out_dtype, device)
         pick = [lefts[i] for i in members], [xs[i] for i in members], [scales[i] for i in members]
         launched = _launch_group(*pick, [outs[i] for i in members])
-        # Each member's output buffer (its transpose is the output where K-major), for the plan.
-        buffers = tuple(
-            (outs[i].shape[::-1], True) if k_major[i] else (outs[i].shape, False) for i in members
-        )
+        buffers = tuple((tuple(outs[i].shape), k_major[i]) for i in members)  # for the plan
         steps.append(
             None if launched is None else _GroupLaunch(members, *launched, buffers, out_dtype, device)
         )
