@@ -195,6 +195,21 @@ SHRINK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("shape", [(16, 8192), (1, 7), (0, 5), (5, 0), (0, 0)])
+def test_empty_2d_has_the_strides_of_torch_empty_and_its_transpose(shape):
+    """The plans' one-call allocation: a plan's output must be laid out as the launcher's was."""
+    rows, columns = shape
+    row_major = _launch.empty_2d(rows, columns, torch.bfloat16, torch.device("cpu"))
+    column_major = _launch.empty_2d(rows, columns, torch.float32, torch.device("cpu"), column_major=True)
+    assert (row_major.shape, row_major.stride(), row_major.dtype) == (
+        torch.Size(shape),
+        torch.empty(shape).stride(),
+        torch.bfloat16,
+    )
+    transposed = torch.empty((columns, rows)).T
+    assert (column_major.shape, column_major.stride()) == (transposed.shape, transposed.stride())
+
+
 @pytest.mark.parametrize("case", SHRINK_CASES, ids=str)
 def test_shrink_plan_launches_what_the_launcher_would(recorded_launches, case):
     M, K, R, x_dtype, weight_dtype, transposed = case

@@ -32,11 +32,34 @@ def _tensor() -> torch.Tensor:
     return torch.zeros(1)
 
 
+class _PackedWeight(torch.Tensor):
+    """A tensor subclass, as bitsandbytes' Params4bit is one: found by `isinstance`, not its type."""
+
+
+def _packed() -> torch.Tensor:
+    return torch.zeros(1).as_subclass(_PackedWeight)
+
+
+def _parameter() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(1))
+
+
+def _tensors_in(tree) -> list[torch.Tensor]:
+    """Every tensor of `tree`, depth first: what flatten_tensors must hand out, in its order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [tensor for child in tree for tensor in _tensors_in(child)]
+    return []
+
+
 def _trees() -> list:
     state = _State(_tensor(), None, 64, torch.bfloat16, "nf4")
     nested_state = _State(_tensor(), _tensor(), 128, torch.float16, "fp4")
     return [
         ((FrozenBase(_tensor(), None, None),), (LoraWeights(_tensor(), _tensor(), 2.0),)),
+        ((FrozenBase(_packed(), _parameter(), state),), (LoraWeights(_parameter(), _parameter(), 1.0),)),
+        _packed(),
         (
             (FrozenBase(_tensor(), _tensor(), state), FrozenBase(_tensor(), None, nested_state)),
             (LoraWeights(_tensor(), _tensor(), 0.5), LoraWeights(_tensor(), _tensor(), 3)),
@@ -64,6 +87,8 @@ def _same_tree(got, expected) -> None:
 def test_generated_functions_rebuild_what_the_walk_rebuilds(index):
     tree = _trees()[index]
     tensors, layout = flatten_tensors(tree)
+    assert [id(tensor) for tensor in tensors] == [id(tensor) for tensor in _tensors_in(tree)]
+    assert not _tensors_in(layout)  # the layout holds slots, never a tensor (it keys a cache)
     _same_tree(unflatten_tensors(layout, tensors), tree)
     _same_tree(tensor_groups._fill(layout, iter(tensors)), tree)
     needs = [position % 3 == 0 for position in range(len(tensors))]
