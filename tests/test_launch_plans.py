@@ -184,17 +184,6 @@ def _matrix(generator, rows: int, cols: int, dtype, transposed: bool) -> torch.T
     return _randn(generator, rows, cols, dtype=dtype)
 
 
-# (M, K, R, x dtype, weight dtype, weight transposed): one split and K split (this CPU counts one
-# SM, so few row blocks split K), fp32 on fp32 (the weight copied contiguous), a rank above one tile.
-SHRINK_CASES = [
-    (33, 70, 16, torch.bfloat16, torch.bfloat16, False),
-    (7, 300, 8, torch.bfloat16, torch.float32, True),
-    (9, 200, 8, torch.float32, torch.float32, True),
-    (64, 96, 5, torch.float16, torch.float32, False),
-    (130, 64, 24, torch.bfloat16, torch.bfloat16, True),
-]
-
-
 @pytest.mark.parametrize("shape", [(16, 8192), (1, 7), (0, 5), (5, 0), (0, 0)])
 def test_empty_2d_has_the_strides_of_torch_empty_and_its_transpose(shape):
     """The plans' one-call allocation: a plan's output must be laid out as the launcher's was."""
@@ -208,6 +197,17 @@ def test_empty_2d_has_the_strides_of_torch_empty_and_its_transpose(shape):
     )
     transposed = torch.empty((columns, rows)).T
     assert (column_major.shape, column_major.stride()) == (transposed.shape, transposed.stride())
+
+
+# (M, K, R, x dtype, weight dtype, weight transposed): one split and K split (this CPU counts one
+# SM, so few row blocks split K), fp32 on fp32 (the weight copied contiguous), a rank above one tile.
+SHRINK_CASES = [
+    (33, 70, 16, torch.bfloat16, torch.bfloat16, False),
+    (7, 300, 8, torch.bfloat16, torch.float32, True),
+    (9, 200, 8, torch.float32, torch.float32, True),
+    (64, 96, 5, torch.float16, torch.float32, False),
+    (130, 64, 24, torch.bfloat16, torch.bfloat16, True),
+]
 
 
 @pytest.mark.parametrize("case", SHRINK_CASES, ids=str)
