@@ -284,10 +284,12 @@ def test_a_bias_keeps_the_members_apart(monkeypatch):
     assert all(rel_err(out, truth) <= TOLERANCE[BF16] for out, truth in zip(outputs, truths))
 
 
-# Compiles the group and sum kernels for an H100/H200 (sm_90) with the tiles and descriptors the
-# launchers use there, three members, and prints their shared memory (Triton's ptxas runs on the
-# CPU; a subprocess, because under TRITON_INTERPRET=1 `triton.jit` makes no compilable kernel). The
-# group kernel's first version, one K loop per member, asked for 295-361 KB on the H200.
+# Compiles the TMA kernels (one projection's, the group's and the sum's) for an H100/H200 (sm_90) with
+# the tiles and descriptors the launchers use there, three members, and prints their shared memory
+# and how many cp.async copies their TTGIR holds (Triton's ptxas runs on the CPU; a subprocess,
+# because under TRITON_INTERPRET=1 `triton.jit` makes no compilable kernel). The group kernel's first
+# version, one K loop per member, asked for 295-361 KB on the H200. The K loops read through TMA, so
+# a cp.async copy can only be the term's loads, pipelined by its rank loop (`_tile_with_term`).
 _SM90_COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -296,15 +298,17 @@ from fastlora_peft.kernels import lora_addmm, lora_addmm_group, lora_addmm_sum
 
 BM, BN, BK, WARPS, STAGES = lora_addmm.TMA_GPU_CONFIG
 kernels = {
+    "single": (lora_addmm._lora_addmm_tma_kernel.kernel, [BN, BK]),  # the forward's K-major weight
     "group": (lora_addmm_group._lora_addmm_group_tma_kernel.kernel, [BN, BK]),  # weights K-major
     "sum": (lora_addmm_sum._lora_addmm_sum_tma_kernel.kernel, [BK, BN]),  # weights row-major
 }
-constexprs = dict(
+all_constexprs = dict(
     BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=lora_addmm.RANK_TILE, GROUP_M=8, MEMBERS=3, PROGRAMS=132,
-    DOT_PRECISION="tf32", FP32_DOT=False,
+    DOT_PRECISION="tf32", FP32_DOT=False, B_K_MAJOR=True,
 )
 for name, (fn, b_block) in kernels.items():
     names = fn.arg_names
+    constexprs = {key: value for key, value in all_constexprs.items() if key in names}
     def kind(arg):
         if arg in constexprs:
             return "constexpr"
@@ -317,7 +321,7 @@ for name, (fn, b_block) in kernels.items():
     source = ASTSource(fn=fn, signature=signature, constexprs=fixed)
     options = dict(num_warps=WARPS, num_stages=STAGES)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    print(name, kernel.metadata.shared)
+    print(name, kernel.metadata.shared, kernel.asm["ttgir"].count("ttg.async_copy_global_to_local"))
 """
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
 
@@ -332,6 +336,12 @@ def test_gpu_kernels_fit_hopper_shared_memory():
         [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    shared = {line.split()[0]: int(line.split()[1]) for line in result.stdout.split("\n") if line}
-    assert set(shared) == {"group", "sum"}, result.stdout
+    rows = [line.split() for line in result.stdout.split("\n") if line]
+    shared = {row[0]: int(row[1]) for row in rows}
+    async_copies = {row[0]: int(row[2]) for row in rows}
+    assert set(shared) == {"single", "group", "sum"}, result.stdout
     assert all(size <= H100_SHARED_MEMORY for size in shared.values()), shared
+    # The term's loads stay plain loads ahead of the K loop: pipelined by the rank loop (one trip at
+    # rank 16), they cost these GEMMs 8-67 us more per call on the H200 (thirty-third session,
+    # `docs/benchmarks/session33/term_latency_probe*.log`).
+    assert async_copies == {"single": 0, "group": 0, "sum": 0}, async_copies

@@ -230,14 +230,22 @@ def _tile_with_term(
 ):  # fmt: skip
     """(first row, first column, fp32 accumulator holding scale * Left @ Right^T there) of output
     tile `tile` in grouped order: how each TMA kernel (here, `lora_addmm_sum`, `lora_addmm_group`)
-    starts a tile, the term ahead of the K loop."""
+    starts a tile, the term ahead of the K loop.
+
+    The rank loop is not software-pipelined (`RANK_STAGES=1`): pipelined with the kernel's stages,
+    its one trip at rank 16 turned the term's loads into cp.async copies and waits ahead of every
+    tile's K loop. H200, thirty-third session, do_bench against the same kernel with the loads plain
+    (`docs/benchmarks/session33/term_latency_probe*.log`): the pipelined term cost 8-22 us more per
+    o_proj-sized GEMM (8192 x 4096 x 4096), 67 at down's dX (N = 14336) and 3 at 2048 tokens; the term
+    with plain loads costs 1-3% over the same GEMM without a term.
+    """
     pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = scale * expand_term(
         Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
         stride_lm, stride_lr, stride_rn, stride_rr,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION, RANK_STAGES=1,
     )  # fmt: skip
     return pid_m * BLOCK_M, pid_n * BLOCK_N, acc
 

@@ -37,14 +37,16 @@ def expand_term(
     Left_ptr, Right_ptr, rows, mask_m, offs_n, mask_n, R,
     stride_lm, stride_lr, stride_rn, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    RANK_STAGES: tl.constexpr = None,
 ):  # fmt: skip
     """Left[rows, :R] @ Right[offs_n, :R]^T in fp32, [BLOCK_M, BLOCK_N], BLOCK_R ranks per dot; rows
-    int64. The LoRA term of lora_expand_add, and of the gated activation that adds gate's and up's."""
+    int64. The LoRA term of lora_expand_add, and of the gated activation that adds gate's and up's.
+    RANK_STAGES: the rank loop's software-pipelining stages (None: the kernel's num_stages)."""
     offs_r = tl.arange(0, BLOCK_R)
     left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
     right_ptrs = Right_ptr + offs_r[:, None] * stride_rr + offs_n[None, :] * stride_rn  # [BLOCK_R, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in tl.range(0, R, BLOCK_R, num_stages=RANK_STAGES):
         mask_r = offs_r + r0 < R
         left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
