@@ -237,7 +237,7 @@ def _tile_with_term(
     tile's K loop. H200, thirty-third session, do_bench against the same kernel with the loads plain
     (`docs/benchmarks/session33/term_latency_probe*.log`): the pipelined term cost 8-22 us more per
     o_proj-sized GEMM (8192 x 4096 x 4096), 67 at down's dX (N = 14336) and 3 at 2048 tokens; the term
-    with plain loads costs 1-3% over the same GEMM without a term.
+    with plain loads costs 0-2% over the same GEMM without a term.
     """
     pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
