@@ -326,7 +326,7 @@ for name, (fn, b_block) in kernels.items():
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
 
 
-def test_gpu_kernels_fit_hopper_shared_memory():
+def test_tma_kernels_fit_hopper_shared_memory_and_load_the_term_plainly():
     import os
     import subprocess
     import sys
