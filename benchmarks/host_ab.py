@@ -1,7 +1,8 @@
 """Host time of one block's step under two versions of the library, in alternating fresh processes.
 
 python -m benchmarks.host_ab --old REV_OR_DIR [--new DIR] [--cases mlp:2048,o:8192,qkv:8192]
-                             [--adapters fp32] [--base bf16] [--rounds 5] [--steps 20] [--smoke]
+                             [--adapters fp32] [--base bf16] [--rounds 5] [--steps 20]
+                             [--kernel] [--smoke]
 
 The o_proj, q/k/v and 2048-token MLP blocks are host-bound (docs/benchmarks.md), so a change to the
 library's Python is judged by host time. Two versions cannot share a process (one `fastlora_peft`
@@ -13,6 +14,12 @@ Each process starts in a directory holding only its version's `fastlora_peft` (a
 `benchmarks`): `python -m` puts the working directory ahead of PYTHONPATH, which once had both arms
 of an A/B import the same package. Each process reports the package it imported, and the tool
 checks it against its arm.
+
+`--kernel` compares kernel time instead: each arm's process runs `kernel_ab --against-floor`'s
+profile (the floor and the fused block interleaved) and reports the fused block's kernel time over
+the floor's; the rounds alternate as for host time. (Thirty-third session: an A/B run as two
+`python -m benchmarks.kernel_ab` commands with PYTHONPATH set per arm had both arms import the
+working directory's package again.)
 
 `--old` is a git revision (its `fastlora_peft` is exported with `git archive`) or a directory that
 contains a `fastlora_peft`; `--new` a directory (default: this checkout). Per process, the step is
@@ -39,8 +46,11 @@ REPO = Path(__file__).resolve().parent.parent
 _RESULT_PREFIX = "host_ab result: "
 
 
-def measure(block: str, tokens: int, base: str, adapters: str, steps: int, smoke: bool) -> dict:
-    """One arm's process: the host time of `steps` block steps, each on an empty queue."""
+def measure(
+    block: str, tokens: int, base: str, adapters: str, steps: int, smoke: bool, kernel: bool = False
+) -> dict:
+    """One arm's process: the host time of `steps` block steps, each on an empty queue; with `kernel`,
+    `measure_kernel`'s numbers instead."""
     import torch
 
     import fastlora_peft
@@ -49,6 +59,9 @@ def measure(block: str, tokens: int, base: str, adapters: str, steps: int, smoke
 
     geo = cases.SMOKE if smoke else cases.LLAMA_8B
     device = torch.device("cpu" if smoke else "cuda")
+    package = str(Path(fastlora_peft.__file__).resolve().parent)
+    if kernel:
+        return {"package": package, **measure_kernel(geo, block, tokens, base, adapters, steps, device)}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step = cases.one_layer_block_step(geo, block, "fastlora", base, adapters, tokens, device)
 
@@ -65,7 +78,19 @@ def measure(block: str, tokens: int, base: str, adapters: str, steps: int, smoke
         run()
         host_us.append((time.perf_counter() - start) * 1e6)
     sync()
-    return {"package": str(Path(fastlora_peft.__file__).resolve().parent), "host_us": host_us}
+    return {"package": package, "host_us": host_us}
+
+
+def measure_kernel(geo, block: str, tokens: int, base: str, adapters: str, steps: int, device) -> dict:
+    """`kernel_ab --against-floor` in this arm's process: the floor's and the fused block's kernel
+    time per step (on the CPU, `--smoke`, their host ops' time), interleaved in one profile."""
+    from .kernel_ab import against_floor_arms, profile_arms
+
+    arms = against_floor_arms(geo, block, base, adapters, tokens, device)
+    credited, steps_per_arm = profile_arms(arms, steps, device)
+    per_step = {arm: sum(micros for _, micros in credited[arm].values()) / steps_per_arm[arm] for arm in arms}
+    return {"floor_us": per_step["floor"], "fused_us": per_step["fastlora"],
+            "ratio": per_step["fastlora"] / per_step["floor"]}  # fmt: skip
 
 
 def _export_revision(revision: str, destination: Path) -> Path:
@@ -96,6 +121,7 @@ def _run_arm(arm: Path, case: str, args) -> dict:
     command = [sys.executable, "-m", "benchmarks.host_ab", "--measure", block, tokens]
     command += ["--base", args.base, "--adapters", args.adapters, "--steps", str(args.steps)]
     command += ["--smoke"] if args.smoke else []
+    command += ["--kernel"] if args.kernel else []
     done = subprocess.run(command, cwd=arm, capture_output=True, text=True, env=dict(os.environ))
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
@@ -124,15 +150,21 @@ def compare(args) -> dict:
             order = ("old", "new") if round_index % 2 == 0 else ("new", "old")
             for case in results:
                 for name in order:
-                    host_us = statistics.median(_run_arm(arms[name], case, args)["host_us"])
-                    results[case][name].append(host_us)
-                    print(f"round {round_index + 1} {case:10s} {name}: {host_us:9.1f} us", flush=True)
+                    result = _run_arm(arms[name], case, args)
+                    if args.kernel:
+                        value = result["ratio"]
+                        detail = f"x floor ({result['fused_us']:.1f} / {result['floor_us']:.1f} us)"
+                    else:
+                        value, detail = statistics.median(result["host_us"]), "us"
+                    results[case][name].append(value)
+                    print(f"round {round_index + 1} {case:10s} {name}: {value:9.4g} {detail}", flush=True)
     summary = {}
-    for case, arms_us in results.items():
-        old, new = statistics.median(arms_us["old"]), statistics.median(arms_us["new"])
-        summary[case] = {"old_us": old, "new_us": new, "new_over_old": new / old, "rounds": arms_us}
-        print(f"{case:10s} host per step, median of {args.rounds} rounds: old {old:9.1f} us  "
-              f"new {new:9.1f} us  new/old {new / old:5.3f}")  # fmt: skip
+    what = "kernel time x floor" if args.kernel else "host us per step"
+    for case, arms_values in results.items():
+        old, new = statistics.median(arms_values["old"]), statistics.median(arms_values["new"])
+        summary[case] = {"old": old, "new": new, "new_over_old": new / old, "rounds": arms_values}
+        print(f"{case:10s} {what}, median of {args.rounds} rounds: old {old:9.4g}  "
+              f"new {new:9.4g}  new/old {new / old:5.3f}")  # fmt: skip
     return summary
 
 
@@ -147,11 +179,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", help="write the results as JSON here")
+    kernel_help = "compare each arm's kernel time over the floor's (kernel_ab --against-floor), not host time"
+    parser.add_argument("--kernel", action="store_true", help=kernel_help)
     parser.add_argument("--measure", nargs=2, metavar=("BLOCK", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         block, tokens = args.measure
-        result = measure(block, int(tokens), args.base, args.adapters, args.steps, args.smoke)
+        result = measure(block, int(tokens), args.base, args.adapters, args.steps, args.smoke, args.kernel)
         print(_RESULT_PREFIX + json.dumps(result), flush=True)
         return
     if not args.old:

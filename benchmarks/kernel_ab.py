@@ -122,6 +122,37 @@ def report(credited: dict[str, dict[str, list[float]]], steps_per_arm: dict[str,
     return "\n".join(lines)
 
 
+def against_floor_arms(geo, block: str, base: str, adapters: str, tokens: int, device) -> dict:
+    """`--against-floor`'s arms: the frozen base alone and the fused block, each its own one-layer model."""
+    return {
+        "floor": cases.one_layer_block_step(geo, block, "floor", base, adapters, tokens, device),
+        "fastlora": cases.one_layer_block_step(geo, block, "fastlora", base, adapters, tokens, device),
+    }
+
+
+def profile_arms(arms: dict, steps: int, device: torch.device) -> tuple[dict, dict[str, int]]:
+    """Warms each arm up, then runs `steps` steps of each, interleaved, inside one profile: returns
+    (`credit_to_arms`' {arm: {name: [calls, us]}}, steps per arm)."""
+    for step in arms.values():
+        for _ in range(3):
+            run_once(step)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    steps_per_arm = dict.fromkeys(arms, 0)
+    with torch.profiler.profile(activities=activities) as prof:
+        for index in range(steps):
+            for arm in balanced_round_order(list(arms), index):
+                with torch.profiler.record_function(f"{_RANGE_PREFIX}{arm}:{index}"):
+                    run_once(arms[arm])
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                steps_per_arm[arm] += 1
+    windows, credited_events = windows_and_activities(_trace_events(prof), device.type == "cuda")
+    return credit_to_arms(windows, credited_events), steps_per_arm
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", default="augmented", choices=sorted(SWITCHES))
@@ -141,39 +172,24 @@ def main() -> None:
     tokens = args.tokens or geo.tokens
     switch = SWITCHES[args.switch]
     restore_defaults = library_defaults()
-    fused = cases.one_layer_block_step(geo, args.block, "fastlora", args.base, args.adapters, tokens, device)
     if args.against_floor:
-        floor = cases.one_layer_block_step(geo, args.block, "floor", args.base, args.adapters, tokens, device)
-        arms = {"floor": floor, "fastlora": fused}
+        arms = against_floor_arms(geo, args.block, args.base, args.adapters, tokens, device)
     else:
+        fused = cases.one_layer_block_step(
+            geo, args.block, "fastlora", args.base, args.adapters, tokens, device
+        )
         arms = {
             args.switch: with_switch(fused, switch, True),
             f"no_{args.switch}": with_switch(fused, switch, False),
         }
-    for step in arms.values():
-        for _ in range(3):
-            run_once(step)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    steps_per_arm = dict.fromkeys(arms, 0)
     try:
-        with torch.profiler.profile(activities=activities) as prof:
-            for index in range(args.steps):
-                for arm in balanced_round_order(list(arms), index):
-                    with torch.profiler.record_function(f"{_RANGE_PREFIX}{arm}:{index}"):
-                        run_once(arms[arm])
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                    steps_per_arm[arm] += 1
+        credited, steps_per_arm = profile_arms(arms, args.steps, device)
     finally:
         restore_defaults()
-    windows, credited_events = windows_and_activities(_trace_events(prof), device.type == "cuda")
     print(
         f"{args.block} {args.base} {args.adapters} {tokens} tokens, {args.steps} steps per arm, interleaved:"
     )
-    print(report(credit_to_arms(windows, credited_events), steps_per_arm, args.rows))
+    print(report(credited, steps_per_arm, args.rows))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,28 @@ def test_host_ab_times_each_arm_on_its_own_package(tmp_path):
     assert [line.split()[-3] for line in lines] == ["old:", "new:", "new:", "old:"], lines
 
 
+def test_host_ab_kernel_mode_profiles_each_arm_against_the_floor(tmp_path):
+    # `--kernel`: each arm's process profiles the floor and the fused block (kernel_ab's against-floor
+    # profile; on the CPU their host ops) and the A/B compares fused over floor, each arm on its own
+    # package as above.
+    old = tmp_path / "old"
+    shutil.copytree(
+        REPO / "fastlora_peft", old / "fastlora_peft", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    out = tmp_path / "ab.json"
+    command = [sys.executable, "-m", "benchmarks.host_ab", "--smoke", "--kernel", "--old", str(old)]
+    command += ["--cases", "o:4", "--rounds", "2", "--steps", "2", "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = json.loads(out.read_text())["o:4"]["rounds"]
+    assert len(rounds["old"]) == len(rounds["new"]) == 2
+    assert all(value > 0 for values in rounds.values() for value in values)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("round")]
+    assert len(lines) == 4 and all("x floor (" in line for line in lines), lines
+    assert "kernel time x floor" in done.stdout
+
+
 @pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink", "dequant"])
 def test_plans_ab_times_both_arms_beside_the_floor(switch):
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
