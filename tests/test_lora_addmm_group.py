@@ -302,26 +302,29 @@ kernels = {
     "group": (lora_addmm_group._lora_addmm_group_tma_kernel.kernel, [BN, BK]),  # weights K-major
     "sum": (lora_addmm_sum._lora_addmm_sum_tma_kernel.kernel, [BK, BN]),  # weights row-major
 }
-all_constexprs = dict(
-    BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=lora_addmm.RANK_TILE, GROUP_M=8, MEMBERS=3, PROGRAMS=132,
-    DOT_PRECISION="tf32", FP32_DOT=False, B_K_MAJOR=True,
-)
-for name, (fn, b_block) in kernels.items():
+# bf16 operands take a plain tf32 term, fp16 ones 3xTF32 (`dots.expand_dot_precision`): both layouts.
+layouts = (("bf16", "tf32"), ("fp16", "tf32x3"))
+for (name, (fn, b_block)), (dtype, precision) in ((k, l) for k in kernels.items() for l in layouts):
     names = fn.arg_names
+    all_constexprs = dict(
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=lora_addmm.RANK_TILE, GROUP_M=8, MEMBERS=3, PROGRAMS=132,
+        DOT_PRECISION=precision, FP32_DOT=False, B_K_MAJOR=True,
+    )
     constexprs = {key: value for key, value in all_constexprs.items() if key in names}
     def kind(arg):
         if arg in constexprs:
             return "constexpr"
         if arg.endswith("_desc"):
             block = [BM, BK] if arg[0] == "a" else b_block if arg[0] == "b" else [BM, BN]
-            return f"tensordesc<bf16[{block[0]},{block[1]}]>"
+            return f"tensordesc<{dtype}[{block[0]},{block[1]}]>"
         return "*fp32" if arg.endswith("_ptr") else "fp32" if arg.startswith("scale") else "i32"
     signature = {arg: kind(arg) for arg in names}
     fixed = {(names.index(k),): v for k, v in constexprs.items()}
     source = ASTSource(fn=fn, signature=signature, constexprs=fixed)
     options = dict(num_warps=WARPS, num_stages=STAGES)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    print(name, kernel.metadata.shared, kernel.asm["ttgir"].count("ttg.async_copy_global_to_local"))
+    copies = kernel.asm["ttgir"].count("ttg.async_copy_global_to_local")
+    print(f"{name}-{dtype}", kernel.metadata.shared, copies)
 """
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
 
@@ -339,9 +342,10 @@ def test_tma_kernels_fit_hopper_shared_memory_and_load_the_term_plainly():
     rows = [line.split() for line in result.stdout.split("\n") if line]
     shared = {row[0]: int(row[1]) for row in rows}
     async_copies = {row[0]: int(row[2]) for row in rows}
-    assert set(shared) == {"single", "group", "sum"}, result.stdout
+    names = {f"{kernel}-{dtype}" for kernel in ("single", "group", "sum") for dtype in ("bf16", "fp16")}
+    assert set(shared) == names, result.stdout
     assert all(size <= H100_SHARED_MEMORY for size in shared.values()), shared
     # The term's loads stay plain loads ahead of the K loop: pipelined by the rank loop (one trip at
     # rank 16), they cost these GEMMs 8-67 us more per call on the H200 (thirty-third session,
     # `docs/benchmarks/session33/term_latency_probe*.log`).
-    assert async_copies == {"single": 0, "group": 0, "sum": 0}, async_copies
+    assert async_copies == dict.fromkeys(names, 0), async_copies
