@@ -166,8 +166,8 @@ def lora_addmm_where_it_pays_off(
     up first, and a hit needs no fit check (a plan is made only by the TMA launch, which only inputs
     that fit reach, and its key holds all that `tma_fits` reads). Asking `lora_addmm_pays_off` and
     then the op made the fit check (9.3 us of the H200 machine's host in the twenty-sixth session's
-    `host_breakdown`; 14 us each by this session's timers, their overhead included) and then the key,
-    twice in an o_proj step (its forward and its dX).
+    `host_breakdown`; 14 us each by the thirty-second session's timers, their overhead included)
+    and then the key, twice in an o_proj step (its forward and its dX).
     """
     if not lora_addmm_may_take(a, b, out_dtype):
         return None
