@@ -117,6 +117,38 @@ def test_lora_shrink(x_dtype, w_dtype, shape, layout):
     _check_op("lora_shrink", (x, weight, SCALE), SCALE * truth, FP32, tol)
 
 
+@pytest.mark.parametrize("x_dtype, w_dtype, shape, layout", _case_params())
+def test_lora_shrink_keeping_weight_t(x_dtype, w_dtype, shape, layout, monkeypatch):
+    # One projection's forward shrink: lora_shrink's result bit for bit, and weight.T contiguous in
+    # weight's dtype (dX's term reads it so), written by the same launch.
+    M, K, R = shape
+    x = _make(M, K, x_dtype, layout)
+    weight = _make(R, K, w_dtype, layout)
+    kernel = _LaunchCounter(lora_terms._lora_shrink_kernel)
+    monkeypatch.setattr(lora_terms, "_lora_shrink_kernel", kernel)
+    got, weight_t = lora_terms.lora_shrink_keeping_weight_t(x, weight, SCALE)
+    assert kernel.launches == (1 if EXPECT_TRITON and M else 0)
+    assert got.T.is_contiguous() and torch.equal(got, lora_terms.lora_shrink(x, weight, SCALE))
+    assert weight_t.dtype == w_dtype and weight_t.is_contiguous() and torch.equal(weight_t, weight.T)
+
+
+@needs_triton
+@pytest.mark.parametrize("w_dtype", [FP32, BF16])
+def test_shrink_writes_weight_t_from_every_split_and_rank_tile(w_dtype):
+    # Only the first row block's programs write weight.T: each over its split's columns and its rank
+    # tile. Three row blocks, three splits (the last one short), two rank tiles; the buffer starts as
+    # NaN, so a column range or rank tile left unwritten shows.
+    x = _make(37, 150, BF16, "contig")
+    weight = _make(5, 150, w_dtype, "transposed")
+    weight_t = torch.full((150, 5), float("nan"), dtype=w_dtype, device=DEVICE)
+    got = lora_terms._lora_shrink_triton(
+        x=x, weight=weight, scale=SCALE, weight_t=weight_t, split=3, block_m=16, block_k=16, block_r=4
+    )
+    assert torch.equal(weight_t, weight.T)
+    tol = SPLIT_TOLERANCE if w_dtype == FP32 else TOLERANCE[FP32]
+    assert_rel_close(got, SCALE * (x.double() @ weight.double().T), tol)
+
+
 # A group's three dY_i @ B_i (q/k/v: K_i = N_i, its own rank and scale each), written side by side.
 STACKED_MEMBERS = [(19, 5, 0.37), (70, 3, 1.5), (23, 16, 0.25)]
 
@@ -633,6 +665,9 @@ def test_bad_inputs_raise(op, make_args, message):
 OPCHECK_CASES = [
     pytest.param(lora_terms.lora_shrink_op, lambda: (_t(7, 19), _t(19, 5).T), id="shrink"),
     pytest.param(lora_terms.lora_shrink_op, lambda: (_t(7, 19), _t(19, 5).T, 0.5), id="shrink-scaled"),
+    pytest.param(
+        lora_terms.lora_shrink_keeping_weight_t_op, lambda: (_t(7, 19), _t(5, 19), 0.5), id="shrink-keeping"
+    ),
     pytest.param(
         lora_terms.lora_expand_add_op, lambda: (_t(7, 23), _t(7, 5), _t(5, 23).T, SCALE, FP32), id="expand"
     ),

@@ -99,6 +99,9 @@ _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HI
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
 WGRADS = "fastlora.lora_weight_grads"  # a Function's weight gradients in one op (grouped launches inside)
 SHRINK_STACKED = "fastlora.lora_shrink_stacked"
+# One projection's forward shrink, writing A.T (rank dim contiguous) for backward's dX term, where
+# the term's launcher would copy lora_a.T inside its op (`test_dx_terms_read_a_contiguous_a_t`).
+SHRINK_KEEP = "fastlora.lora_shrink_keeping_weight_t"
 GATED_FWD, GATED_BWD = "fastlora.gated_act_lora_forward_", "fastlora.gated_act_backward_weight_grad_"
 
 
@@ -109,9 +112,9 @@ def _with_casts(budget: dict[str, int], casts: int) -> dict[str, int]:
 
 
 CASES = {
-    # forward: one pass over x for every A, the base matmul, the LoRA term added in place.
+    # forward: one pass over x for every A (A.T kept), the base matmul, the LoRA term added in place.
     # backward: dY @ B, dX (one matmul, the LoRA term in place), dA and dB (one op, one launch).
-    "o": (_o, _O_SHAPES, {SHRINK: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRADS: 1}, 0),
+    "o": (_o, _O_SHAPES, {SHRINK_KEEP: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRADS: 1}, 0),
     # forward: the A^T side by side once (kept for backward's dX term); backward: dY_i @ B_i written
     # side by side (one op, no cat), dX accumulated in one buffer, dA of all three in one pass and the
     # dB_i in one op (two launches: dA's rank is 3r).
@@ -123,12 +126,12 @@ CASES = {
         0,
     ),
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
-    # consumed inside the gated kernels; down as one projection (its dA inside the gated backward, its
-    # dB made with gate's and up's weight gradients: one op for all of them).
+    # consumed inside the gated kernels; down as one projection (its A.T kept by its shrink, its dA
+    # inside the gated backward, its dB made with gate's and up's weight gradients: one op for all).
     "mlp": (
         _mlp,
         _MLP_SHAPES,
-        {"cat": 1, SHRINK: 2, "mm": 3, EXPAND: 1, GATED_FWD: 1},
+        {"cat": 1, SHRINK: 1, SHRINK_KEEP: 1, "mm": 3, EXPAND: 1, GATED_FWD: 1},
         {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRADS: 1, GATED_BWD: 1},
         1,
     ),
@@ -218,7 +221,7 @@ def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch
 # "auto", `lora_addmm_sum.SUM_MAX_MEMBER_K`).
 ADDMM, ADDMM_SUM, ADDMM_GROUP = "fastlora.lora_addmm", "fastlora.lora_addmm_sum", "fastlora.lora_addmm_group"
 TMA_CASES = {
-    "o": ({SHRINK: 1, ADDMM: 1}, {SHRINK: 1, ADDMM: 1, WGRADS: 1}),
+    "o": ({SHRINK_KEEP: 1, ADDMM: 1}, {SHRINK: 1, ADDMM: 1, WGRADS: 1}),
     "qkv": ({"cat": 1, SHRINK: 1, ADDMM_GROUP: 1}, {SHRINK_STACKED: 1, ADDMM_SUM: 1, WGRADS: 1}),
 }
 
@@ -259,3 +262,38 @@ def test_mlp_forward_launches_the_gate_up_gemms_before_the_lora_shrink(layout_id
     gate_up_gemms = [index for index, name in enumerate(order) if name == "mm"][:2]
     assert len(gate_up_gemms) == 2, order
     assert max(gate_up_gemms) < order.index("cat") < order.index(SHRINK), order
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+@pytest.mark.parametrize(
+    "layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters", "nf4-bf16-adapters"]
+)
+@pytest.mark.parametrize("case, chunks", [("o", 1), ("mlp", 1), ("mlp", 2)])
+def test_dx_terms_read_a_contiguous_a_t(case, chunks, layout_id, mode, monkeypatch):
+    # dX's LoRA term reads A.T with the rank dim contiguous; lora_a.T is not, and the term's launcher
+    # would copy it inside its op, where the budgets cannot see it. One projection's forward shrink
+    # writes A.T for it (`lora_shrink_keeping_weight_t`); the MLP's down projection reads that one A.T
+    # in every chunk of dh. Spied on: what every dX term (expand-add, lora_addmm or summed) gets.
+    from fastlora_peft.functions import shared_input
+    from fastlora_peft.functions.gated_mlp import GatedMlpSettings
+    from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+
+    monkeypatch.setattr(LoraAddmmSettings, "mode", mode)
+    # h of the MLP's TOKENS rows of INTERMEDIATE 16-bit values, in `chunks` chunks.
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", TOKENS * INTERMEDIATE * 2 // chunks)
+    rights = []
+
+    def spy(loras, lora_a_t):
+        right = right_operand(loras, lora_a_t)
+        rights.append((len(loras), right))
+        return right
+
+    right_operand = shared_input._right_operand_of_dx_term
+    monkeypatch.setattr(shared_input, "_right_operand_of_dx_term", spy)
+    run, shapes, *_ = CASES[case]
+    _counted_step(run, LAYOUTS[layout_id], shapes)
+    # o: its dX. MLP: dh's term per chunk (down alone), then gate/up's dX (their A.T cat).
+    assert [members for members, _ in rights] == {"o": [1], "mlp": [1] * chunks + [2]}[case]
+    assert all(right.stride(1) == 1 for _, right in rights), [right.stride() for _, right in rights]
+    if case == "mlp":
+        assert len({right.data_ptr() for _, right in rights[:chunks]}) == 1, "a chunk of dh made its own A.T"

@@ -144,25 +144,34 @@ def _down_forward(
     down_lora: LoraWeights,
     plan: DtypePlan,
     chunks: Sequence[slice],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out `[tokens, hidden]` of `plan.out_dtype`, `h @ Ad.T` fp32 `[tokens, r]`), with h made one
-    chunk of rows at a time, each chunk's output written into its rows of `out`. gate and up come in
-    as the base outputs; each chunk's activation adds their LoRA terms there, in place."""
+    keep_down_a_t: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(out `[tokens, hidden]` of `plan.out_dtype`, `h @ Ad.T` fp32 `[tokens, r]`, Ad.T `[I, r]` with
+    the rank dim contiguous where `keep_down_a_t`, else None), with h made one chunk of rows at a
+    time, each chunk's output written into its rows of `out`. gate and up come in as the base
+    outputs; each chunk's activation adds their LoRA terms there, in place. The first chunk's shrink
+    writes Ad.T, which every chunk of dh's LoRA term reads in backward (see `shared_input_forward`)."""
     if len(chunks) == 1:
         hidden = gated_act_lora_forward_(gate, up, activation, *gate_up_terms)
-        (out,), ha_down = shared_input_forward(hidden, [down_base], [down_lora], plan)
-        return out, ha_down
+        (out,), ha_down, down_a_t = shared_input_forward(
+            hidden, [down_base], [down_lora], plan, keep_lora_a_t=keep_down_a_t
+        )
+        return out, ha_down, down_a_t
     tokens, hidden_features = gate.shape[0], base_out_features(down_base)
     out = gate.new_empty((tokens, hidden_features), dtype=plan.out_dtype)
-    ha_down = None
+    ha_down = down_a_t = None
     for rows in chunks:
         hidden = gated_act_lora_forward_(gate[rows], up[rows], activation, *gate_up_terms.rows(rows))
-        _, ha_rows = shared_input_forward(hidden, [down_base], [down_lora], plan, out=[out[rows]])
+        keep = keep_down_a_t and down_a_t is None
+        _, ha_rows, kept = shared_input_forward(
+            hidden, [down_base], [down_lora], plan, out=[out[rows]], keep_lora_a_t=keep
+        )
+        down_a_t = kept if keep else down_a_t
         del hidden
         if ha_down is None:  # fp32, or float64 under gradcheck: the LoRA kernels' accumulation dtype
             ha_down = ha_rows.new_empty((tokens, ha_rows.shape[1]))
         ha_down[rows].copy_(ha_rows)
-    return out, ha_down
+    return out, ha_down, down_a_t
 
 
 def _down_backward_(
@@ -174,6 +183,7 @@ def _down_backward_(
     down_scale: float,
     down_base: FrozenBase,
     down_lora: LoraWeights,
+    down_a_t: Optional[torch.Tensor],
     plan: DtypePlan,
     needs_a: bool,
     chunks: Sequence[slice],
@@ -182,7 +192,8 @@ def _down_backward_(
     """down_base as stored (its weight is materialized here, once). Per chunk of rows: dh, then one
     fused op that turns it into the gate/up gradients in the saved gate/up buffers themselves and,
     when dA_down is needed, recomputes h from those rows (before it overwrites them) for h's share of
-    dA_down. Returns dA_down (fp32 `[r, I]`), or None.
+    dA_down. Returns dA_down (fp32 `[r, I]`), or None. down_a_t: the forward's Ad.T (see
+    `_down_forward`), which every chunk's dh term reads, or None to transpose lora_a there.
 
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory. `chunks`
     are the forward's; where dh's term goes through the augmented K (below) the rows are chunked again.
@@ -217,6 +228,7 @@ def _down_backward_(
             grad_hidden = shared_input_grad_x(
                 [grad_2d[rows]], grad_ha[rows], down_scale, [down_base], [down_lora], plan, gate.dtype,
                 allow_augmented=False,  # the weight is materialized: augmenting would copy it per chunk
+                lora_a_t=down_a_t,
             )  # fmt: skip
         # These rows of gate/up hold their gradients afterwards.
         if needs_a:
@@ -277,18 +289,21 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
         chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
         down_base = _dense_base(bases[-1], plan)
-        out, ha_down = _down_forward(gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks)
+        # dh's term reads Ad.T in every backward (dh is always made): kept wherever one can run.
+        out, ha_down, down_a_t = _down_forward(
+            gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks, any(ctx.needs_input_grad)
+        )
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
         ctx.chunk_bytes = settings.chunk_bytes
         ctx.overwrite = settings.overwrite_saved_preactivations
         ctx.pre_activation_count = len(pre_activations)
-        ctx.save_for_backward(x, xa_in, ha_down, lora_a_t, *pre_activations, *tensors)
+        ctx.save_for_backward(x, xa_in, ha_down, lora_a_t, down_a_t, *pre_activations, *tensors)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         try:
-            x, xa_in, ha_down, lora_a_t, *saved = ctx.saved_tensors
+            x, xa_in, ha_down, lora_a_t, down_a_t, *saved = ctx.saved_tensors
         except RuntimeError as error:
             if ctx.overwrite and "inplace operation" in str(error):
                 raise RuntimeError(
@@ -317,7 +332,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             down_grad_bases = bias_grads(bases[-1:], needs_bases[-1:], [grad_2d])
             grad_a_down = _down_backward_(
                 gate, up, ctx.activation, grad_2d, grad_ha, down_scale, bases[-1],
-                down_lora, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes,
+                down_lora, down_a_t, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes,
             )  # fmt: skip
             down_b = WeightGradProblem(ha_down, grad_2d, down_lora.scale, True, down_lora.lora_b.dtype)
             gate_up = shared_input_backward(

@@ -28,6 +28,7 @@ from ..kernels.lora_terms import (
     lora_expand_add,
     lora_expand_add_,
     lora_shrink,
+    lora_shrink_keeping_weight_t,
     lora_shrink_stacked,
     lora_weight_grad,
 )
@@ -107,23 +108,31 @@ def shared_input_forward(
     x_lora_2d: Optional[torch.Tensor] = None,
     out: Optional[Sequence[torch.Tensor]] = None,
     lora_a_t: Optional[torch.Tensor] = None,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Outputs `[tokens, out_i]` of `plan.out_dtype`, and `xa` (fp32 `[tokens, sum r]`) for backward.
+    keep_lora_a_t: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+    """Outputs `[tokens, out_i]` of `plan.out_dtype`, `xa` (fp32 `[tokens, sum r]`) for backward, and
+    the As transposed with the rank dim contiguous (`[in, sum r]`, backward's dX term reads it), or None.
 
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
     out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
     of a larger output), or None for new ones.
-    lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to make it here.
+    lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to make it here
+    (a group's; one projection has none unless `keep_lora_a_t`).
+    keep_lora_a_t: one projection's shrink also writes A.T out, for a caller whose backward makes dX:
+    the shrink loads A.T tile by tile anyway, where dX's term would copy lora_a.T (one op more).
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
     lora_a_t = group_lora_a_t(loras) if lora_a_t is None else lora_a_t
-    stacked_a = loras[0].lora_a if lora_a_t is None else lora_a_t.t()
-    xa = lora_shrink(x_2d if x_lora_2d is None else x_lora_2d, stacked_a)
+    x_shrunk = x_2d if x_lora_2d is None else x_lora_2d
+    if lora_a_t is None and keep_lora_a_t:
+        xa, lora_a_t = lora_shrink_keeping_weight_t(x_shrunk, loras[0].lora_a)
+    else:
+        xa = lora_shrink(x_shrunk, loras[0].lora_a if lora_a_t is None else lora_a_t.t())
     weights = None  # every member's weight, where the grouped forward made them and then did not run
     if out is None and 1 < len(bases) <= MAX_MEMBERS:
         grouped, weights = grouped_forward(x_compute, xa, bases, loras, plan, rank_slices(loras))
         if grouped is not None:
-            return grouped, xa
+            return grouped, xa, lora_a_t
     if weights is None and len(bases) > 1:
         weights = grouped_4bit_weights(bases, plan)
     outputs = []
@@ -156,7 +165,7 @@ def shared_input_forward(
             destination.copy_(result)
             result = destination
         outputs.append(result)
-    return outputs, xa
+    return outputs, xa, lora_a_t
 
 
 def _next_weight(
@@ -245,8 +254,8 @@ def shared_input_grad_x(
     else a group of up to three makes all of dX in one GEMM (`lora_addmm_sum`) where
     `lora_addmm_sum_pays_off` says so, or the first GEMM carries them (`lora_addmm`) where
     `lora_addmm_pays_off` does; otherwise
-    cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds them. lora_a_t: the forward's
-    `group_lora_a_t`, or None to stack the As here.
+    cuBLAS makes sum_i g_i W_i and `lora_expand_add_` adds them. lora_a_t: the As transposed that
+    `shared_input_forward` returned, or None to stack (for one projection: transpose) them here.
     """
     grad_x_base = None
     term_right = None  # the term's right operand: made where the first GEMM runs with the term pending
@@ -402,8 +411,8 @@ def shared_input_backward(
     extra_weight_grads: Sequence[WeightGradProblem] = (),
 ) -> SharedInputGrads:
     """Gradients of `shared_input_forward` given the upstream `grads_2d` (None: that output was unused);
-    lora_a_t: the `group_lora_a_t` the forward read, or None; extra_weight_grads: weight gradients of
-    the caller's to make with the group's (`shared_input_weight_grads`)."""
+    lora_a_t: the As transposed that the forward returned, or None; extra_weight_grads: weight
+    gradients of the caller's to make with the group's (`shared_input_weight_grads`)."""
     grads_2d = _grads_or_zeros(x_2d, bases, plan, grads_2d)
     lora_reads_x = x_lora_2d is None
     grad_xa, lora_scale = None, 1.0
@@ -448,9 +457,10 @@ class LoraSharedInputFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, x_lora: Optional[torch.Tensor], plan: DtypePlan, layout, *tensors):
         bases, loras = unflatten_tensors(layout, tensors)
         x_lora_2d = None if x_lora is None else x_lora.reshape(-1, x.shape[-1])
-        lora_a_t = group_lora_a_t(loras)
-        outputs, xa = shared_input_forward(
-            x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d, lora_a_t=lora_a_t
+        # dX's LoRA term (of x, or of x_lora) reads the As transposed: kept from the forward.
+        needs_term_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        outputs, xa, lora_a_t = shared_input_forward(
+            x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d, keep_lora_a_t=needs_term_grad
         )
         ctx.plan, ctx.layout = plan, layout
         ctx.save_for_backward(x, x_lora, xa, lora_a_t, *tensors)

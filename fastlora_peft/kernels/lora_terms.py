@@ -70,6 +70,8 @@ __all__ = [
     "lora_expand_add_inplace_op",
     "lora_expand_add_op",
     "lora_shrink",
+    "lora_shrink_keeping_weight_t",
+    "lora_shrink_keeping_weight_t_op",
     "lora_shrink_op",
     "lora_shrink_stacked",
     "lora_shrink_stacked_op",
@@ -84,20 +86,36 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _store_weight_t(
+    W_ptr, WeightT_ptr, k_start, k_end, R, offs_r, mask_r, stride_wr, stride_wk, BLOCK_K: tl.constexpr
+):
+    """WeightT[k, r] = W[r, k] over columns [k_start, k_end) and the ranks `offs_r`: W^T tiles as the
+    shrink loads them, stored with the rank dim contiguous."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        rows = k0 + offs_k
+        mask = (rows < k_end)[:, None] & mask_r[None, :]
+        tile = tl.load(W_ptr + rows[:, None] * stride_wk + offs_r[None, :] * stride_wr, mask=mask)
+        tl.store(WeightT_ptr + rows[:, None] * R + offs_r[None, :], tile, mask=mask)
+
+
 @CachedKernel
 @triton.jit
 def _lora_shrink_kernel(
-    X_ptr, W_ptr, Out_ptr, Partial_ptr, Counter_ptr,
+    X_ptr, W_ptr, Out_ptr, Partial_ptr, Counter_ptr, WeightT_ptr,
     M, K, R, k_per_split, n_splits, scale,
     stride_xm, stride_xk, stride_wr, stride_wk, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_MODE: tl.constexpr, SPLIT: tl.constexpr, STORE_WEIGHT_T: tl.constexpr,
 ):  # fmt: skip
     """Out[M, R] = scale * X[M, K] @ W[R, K]^T in fp32.
 
     One program per (BLOCK_M rows, BLOCK_R ranks, split), looping over its split's columns [s *
     k_per_split, ...). With SPLIT (n_splits > 1), the splits meet in `split_total` through fp32
     partials laid out like Out ([n_splits, ...], split stride M * R) and one counter per tile.
+    With STORE_WEIGHT_T the first row block's programs also write W^T ([K, R] contiguous, W's dtype)
+    to WeightT, after their own loop: a loop of its own, so the shrink's loop compiles as without.
     """
     pid_m = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -128,6 +146,11 @@ def _lora_shrink_kernel(
             tl.store(Out_ptr + offsets, scale * total, mask=mask)
     else:
         tl.store(Out_ptr + offsets, scale * acc, mask=mask)
+    if STORE_WEIGHT_T:
+        if pid_m == 0:
+            _store_weight_t(
+                W_ptr, WeightT_ptr, k_start, k_end, R, offs_r, mask_r, stride_wr, stride_wk, BLOCK_K
+            )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,6 +273,7 @@ def _lora_shrink_triton(
     weight: torch.Tensor,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
+    weight_t: torch.Tensor | None = None,
     split: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
@@ -257,19 +281,23 @@ def _lora_shrink_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """out: an fp32 [M, R] tensor to write into (e.g. columns of a group's stacked result), or None."""
+    """out: an fp32 [M, R] tensor to write into (e.g. columns of a group's stacked result), or None.
+    weight_t: a contiguous [K, R] tensor of weight's dtype that the launch also copies weight.T into
+    (`lora_shrink_keeping_weight_t`), or None."""
     # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
     plan_key = None
     defaults = split is None and block_m is None and block_k is None and block_r is None
     defaults = defaults and num_warps is None and num_stages is None
     if defaults and _SHRINK_PLANS.enabled:
-        plan_key = _shrink_plan_key(x, weight, out)
+        plan_key = _shrink_plan_key(x, weight, out, weight_t is not None)
         plan = _SHRINK_PLANS.get(plan_key)
         if plan is not None:
-            return _run_shrink_plan(plan, x, weight, scale, out)
+            return _run_shrink_plan(plan, x, weight, scale, out, weight_t)
     M, K = x.shape
     R = weight.shape[0]
     if M == 0 or R == 0 or K == 0:
+        if weight_t is not None:
+            weight_t.copy_(weight.t())
         return torch.zeros((M, R), dtype=torch.float32, device=x.device) if out is None else out.zero_()
     # Timings on an H200, x [8192, 4096] bf16, rank 16 (benchmarks/tune_lora_terms.py): 16-bit weights
     # fed to native dots with 32-row tiles, 128-wide K steps and 4 stages took 28us, against 45us for
@@ -307,12 +335,12 @@ def _lora_shrink_triton(
     )
     grid = (row_blocks, r_tiles, split)
     bound = _lora_shrink_kernel[grid](
-        x, weight, out, partial, counters,
+        x, weight, out, partial, counters, out if weight_t is None else weight_t,
         M, K, R, k_per_split, split, float(scale),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
         DOT_PRECISION=dot_precision(x.dtype, weight.dtype), DOT_MODE=mode, SPLIT=split > 1,
-        num_warps=num_warps, num_stages=num_stages,
+        STORE_WEIGHT_T=weight_t is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
         _SHRINK_PLANS.add(plan_key, _ShrinkPlan(
@@ -339,20 +367,27 @@ class _ShrinkPlan(NamedTuple):
 _SHRINK_PLANS = LaunchPlans("lora_shrink")
 
 
-def _shrink_plan_key(x, weight, out=None) -> tuple:
+def _shrink_plan_key(x, weight, out=None, keeps_weight_t: bool = False) -> tuple:
     """The one key of a shrink plan: the launcher's and the op bodies' lookups must agree. A given
-    `out` is part of it (its strides and alignment are the launch's); None keys a new result."""
-    return _SHRINK_PLANS.key(x, weight, out)
+    `out` is part of it (its strides and alignment are the launch's); None keys a new result.
+    keeps_weight_t: the launch also writes weight.T (a new contiguous tensor: weight's key fixes it)."""
+    return _SHRINK_PLANS.key(x, weight, out, keeps_weight_t)
 
 
 def _run_shrink_plan(
-    plan: _ShrinkPlan, x: torch.Tensor, weight: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    plan: _ShrinkPlan,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    weight_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     weight = weight.contiguous() if plan.copy_weight else weight
     if out is None:
         out = empty_2d(*plan.out_shape, torch.float32, plan.device, column_major=True)
     partial, counters = split_scratch(plan.device, *plan.scratch) if plan.scratch else (out, out)
-    plan.launch(x, weight, out, partial, counters, *plan.sizes, float(scale), *plan.strides)
+    weight_t = out if weight_t is None else weight_t
+    plan.launch(x, weight, out, partial, counters, weight_t, *plan.sizes, float(scale), *plan.strides)
     return out
 
 
@@ -415,6 +450,46 @@ lora_shrink_op = torch.library.custom_op(f"{OP_NAMESPACE}::lora_shrink", _lora_s
 def _(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     _check_shrink(x, weight)
     return x.new_empty((weight.shape[0], x.shape[0]), dtype=torch.float32).T
+
+
+def lora_shrink_keeping_weight_t(
+    x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``scale * x @ weight.T`` as `lora_shrink` gives it, ``weight.T`` contiguous):
+    `fastlora::lora_shrink_keeping_weight_t` (see `_lora_shrink_keeping_weight_t_body`)."""
+    if skips_op_dispatch(x, weight):
+        return _lora_shrink_keeping_weight_t_body(x, weight, scale)
+    return lora_shrink_keeping_weight_t_op(x, weight, scale)
+
+
+def _lora_shrink_keeping_weight_t_body(
+    x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lora_shrink`'s result, and weight.T ([K, R], weight's dtype, the rank dim contiguous) written by
+    the same launch: the layout a dX term's right operand wants (see `lora_expand_add`), which the
+    shrink loads tile by tile anyway, where a `.contiguous()` of lora_a.T in backward is one more op."""
+    if _SHRINK_PLANS.serve(x):  # see `_PLANS_SKIP_CHECKS`
+        plan = _SHRINK_PLANS.get(_shrink_plan_key(x, weight, None, True))
+        if plan is not None:
+            weight_t = empty_2d(weight.shape[1], weight.shape[0], weight.dtype, plan.device)
+            return _run_shrink_plan(plan, x, weight, scale, None, weight_t), weight_t
+    _check_shrink(x, weight)
+    weight_t = empty_2d(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
+    if runs_triton(x):
+        return _lora_shrink_triton(x=x, weight=weight, scale=scale, weight_t=weight_t), weight_t
+    result = reference.lora_shrink(x, weight, scale)
+    return result.T.contiguous().T, weight_t.copy_(weight.t())
+
+
+lora_shrink_keeping_weight_t_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::lora_shrink_keeping_weight_t", _lora_shrink_keeping_weight_t_body, mutates_args=()
+)
+
+
+@lora_shrink_keeping_weight_t_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_shrink(x, weight)
+    return x.new_empty((weight.shape[0], x.shape[0]), dtype=torch.float32).T, weight.new_empty(weight.T.shape)
 
 
 def _check_stacked_members(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], scales) -> None:
