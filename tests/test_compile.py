@@ -86,9 +86,16 @@ def test_whole_model_is_one_graph_with_the_fused_functions_inside():
         for name, module in explanation.graphs[0].named_modules()
         if name.startswith(("fwd_body", "bwd_body"))
     }
-    forward_ops = [ops for name, ops in sorted(bodies.items()) if name.startswith("fwd_body")]
+    forward_ops = {name: ops for name, ops in bodies.items() if name.startswith("fwd_body")}
     assert len(forward_ops) == 5, bodies
-    assert all("lora_shrink" in ops and "lora_expand_add_" in ops for ops in forward_ops), bodies
+    for name, ops in forward_ops.items():
+        assert "lora_expand_add_" in ops and {"lora_shrink", "lora_shrink_keeping_weight_t"} & ops, bodies
+        # A forward keeps A.T for dX's term exactly where its backward makes dX (an expand-add
+        # there): not q/k/v here, whose input (the frozen embedding's output) needs no gradient.
+        # ctx.needs_input_grad, read in the forward, is traced.
+        makes_dx = "lora_expand_add_" in bodies[name.replace("fwd", "bwd")]
+        assert ("lora_shrink_keeping_weight_t" in ops) == makes_dx, (name, bodies)
+    assert sum("lora_shrink_keeping_weight_t" in ops for ops in forward_ops.values()) == 2, bodies  # o, MLP
     mlp_bodies = [name for name, ops in bodies.items() if "gated_act_lora_forward_" in ops]
     assert len(mlp_bodies) == 1, bodies
     assert "gated_act_backward_weight_grad_" in bodies[mlp_bodies[0].replace("fwd", "bwd")], bodies
