@@ -355,7 +355,8 @@ for mode, weight_type in ((SPLIT_DOT, "fp32"), (NATIVE_DOT, "bf16")):
                 BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=16, DOT_PRECISION="tf32x3", DOT_MODE=mode,
                 SPLIT=split, stride_wr=1, stride_om=1,
             )
-            constexprs.update(MEMBERS=3) if name == "group" else constexprs.update(stride_xk=1)
+            single = dict(stride_xk=1, STORE_WEIGHT_T=False)  # the shrink alone, as launched for a group
+            constexprs.update(MEMBERS=3) if name == "group" else constexprs.update(single)
             names = fn.arg_names
             def kind(arg):
                 if arg in constexprs:
