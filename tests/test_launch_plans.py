@@ -210,18 +210,25 @@ SHRINK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("keeps_weight_t", [False, True], ids=["", "keeping-weight-t"])
 @pytest.mark.parametrize("case", SHRINK_CASES, ids=str)
-def test_shrink_plan_launches_what_the_launcher_would(recorded_launches, case):
+def test_shrink_plan_launches_what_the_launcher_would(recorded_launches, case, keeps_weight_t):
     M, K, R, x_dtype, weight_dtype, transposed = case
 
     def make_inputs(seed):
         generator = torch.Generator().manual_seed(seed)
         weight = _matrix(generator, R, K, weight_dtype, transposed)
-        return dict(x=_randn(generator, M, K, dtype=x_dtype), weight=weight, scale=0.5 + seed)
+        inputs = dict(x=_randn(generator, M, K, dtype=x_dtype), weight=weight, scale=0.5 + seed)
+        return {**inputs, "weight_t": torch.empty(K, R, dtype=weight_dtype)} if keeps_weight_t else inputs
 
     launch = _planned_and_unplanned(recorded_launches, lora_terms._lora_shrink_triton, make_inputs)
     assert launch[3] == 77 and launch[4] == 1234  # the current stream, the compiled function
     assert 1.5 in _floats(launch)  # call 2's own scale, not the plan's first
+    # A plan with weight_t and one without are two: each launch is compiled for its own.
+    lora_terms._lora_shrink_triton(
+        **{**make_inputs(2), "weight_t": None if keeps_weight_t else torch.empty(K, R)}
+    )
+    assert len(lora_terms._SHRINK_PLANS.plans) == 2
 
 
 @pytest.mark.parametrize("first_rank", [0, 5], ids=["aligned", "unaligned"])
@@ -428,6 +435,9 @@ def _augmented_left_op_inputs(seed):
 # (op, the module holding its checks and `runs_triton`, the check function, inputs by seed)
 OP_CASES = {
     "lora_shrink": (lora_terms.lora_shrink, lora_terms, "_check_shrink", _shrink_op_inputs),
+    "lora_shrink_keeping_weight_t": (
+        lora_terms.lora_shrink_keeping_weight_t, lora_terms, "_check_shrink", _shrink_op_inputs,
+    ),
     "lora_expand_add": (
         lambda **inputs: lora_terms.lora_expand_add(**inputs, out_dtype=torch.float16),
         expand_add_module, "_check_expand_add", _expand_op_inputs,
