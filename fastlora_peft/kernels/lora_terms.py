@@ -117,7 +117,7 @@ def _lora_shrink_kernel(
     With STORE_WEIGHT_T the programs also write W^T ([K, R] contiguous, W's dtype) to WeightT, after
     their own loop (a loop of its own, so the shrink's loop compiles as without): the row blocks
     take turns over their split's K steps, most of them one tile or none. (In the first row block
-    alone, a walk over all of K, it had made the launch 7-66 us longer at Llama sizes on the H200.)
+    alone, a walk over all of K, it had made the launch 6-66 us longer at Llama sizes on the H200.)
     """
     pid_m = tl.program_id(0)
     pid_r = tl.program_id(1)
