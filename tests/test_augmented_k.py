@@ -230,6 +230,26 @@ def test_augmented_dx_is_taken_and_as_exact_as_the_expand_add(
         assert error <= 2 * plain_error + 1e-6, f"{name}: {error:.2e} against {plain_error:.2e}"
 
 
+@pytest.mark.parametrize("augmented", [True, False], ids=["augmented", "expand-add"])
+@pytest.mark.parametrize("layout_id", ["nf4-fp32-adapters", "nf4-bf16-adapters"])
+def test_mlp_forward_keeps_down_a_t_only_where_dh_reads_it(layout_id, augmented, monkeypatch):
+    # dh's term reads the forward's Ad.T where it takes the expand-add (or lora_addmm); through the
+    # augmented K it reads lora_a itself. The forward decides which (`_dh_takes_augmented_k`), keeps
+    # Ad.T only for the first, and the backward takes the path the forward decided.
+    kept = []
+
+    def spy(*args):
+        out, ha_down, down_a_t = down_forward(*args)
+        kept.append(down_a_t is not None)
+        return out, ha_down, down_a_t
+
+    down_forward = gated_mlp._down_forward
+    monkeypatch.setattr(gated_mlp, "_down_forward", spy)
+    _, _, ops = _run_case("mlp", layout_id, augmented, monkeypatch)
+    assert kept == [not augmented]
+    assert ops[AUGMENTED_OP] == (1 if augmented else 0), ops
+
+
 @pytest.mark.parametrize("layout_id", ["fp16", "fp32-adapters-on-fp16"])
 def test_fp16_keeps_the_expand_add(layout_id, monkeypatch):
     # s gB rounded to fp16 could overflow where the expand-add's fp32 term does not.

@@ -174,6 +174,17 @@ def _down_forward(
     return out, ha_down, down_a_t
 
 
+def _dh_takes_augmented_k(
+    down_base: FrozenBase, down_lora: LoraWeights, plan: DtypePlan, gate: torch.Tensor
+) -> bool:
+    """Whether dh's LoRA term goes inside its GEMM's K dimension (see `_down_backward_`), from the
+    stored down base, the plan and gate's rows, device and dtype: asked in the forward, whose down
+    projection then keeps no Ad.T (that path reads lora_a itself), and handed to the backward."""
+    return weight_is_materialized_fresh(down_base, plan.compute_dtype) and (
+        augmented_member([down_base], [down_lora], plan, gate.shape[0], gate.device, gate.dtype) == 0
+    )
+
+
 def _down_backward_(
     gate: torch.Tensor,
     up: torch.Tensor,
@@ -188,12 +199,14 @@ def _down_backward_(
     needs_a: bool,
     chunks: Sequence[slice],
     chunk_bytes: int,
+    augmented: bool,
 ) -> Optional[torch.Tensor]:
     """down_base as stored (its weight is materialized here, once). Per chunk of rows: dh, then one
     fused op that turns it into the gate/up gradients in the saved gate/up buffers themselves and,
     when dA_down is needed, recomputes h from those rows (before it overwrites them) for h's share of
     dA_down. Returns dA_down (fp32 `[r, I]`), or None. down_a_t: the forward's Ad.T (see
     `_down_forward`), which every chunk's dh term reads, or None to transpose lora_a there.
+    augmented: `_dh_takes_augmented_k`, as the forward decided it.
 
     Besides gate and up at most one `[chunk, I]` tensor (dh) is alive; h never is in memory. `chunks`
     are the forward's; where dh's term goes through the augmented K (below) the rows are chunked again.
@@ -210,9 +223,6 @@ def _down_backward_(
     # 693 MiB). Their bounds are multiples of 256 rows, cuBLAS's tile there: at 1638-1639-row chunks
     # the gated backward kernel took 184 against 101 us per chunk and cuBLAS picked a slower GEMM;
     # 1664 rows would fill 6.5 of its 256-row tiles (H200, `docs/benchmarks/session17/dh_chunks_ab*`).
-    augmented = weight_is_materialized_fresh(down_base, plan.compute_dtype) and (
-        augmented_member([down_base], [down_lora], plan, tokens, gate.device, gate.dtype) == 0
-    )
     if augmented:
         width = padded_width(base_out_features(down_base), grad_ha.shape[1], gate.device)
         down_weight = augmented_weight(down_base, [down_lora], plan, width)
@@ -289,9 +299,13 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
         chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
         down_base = _dense_base(bases[-1], plan)
-        # dh's term reads Ad.T in every backward (dh is always made): kept wherever one can run.
+        # dh's term reads Ad.T in every backward (dh is always made), unless it goes through the
+        # augmented K: kept wherever a backward can run and will read it.
+        backward_runs = any(ctx.needs_input_grad)
+        ctx.augmented_dh = backward_runs and _dh_takes_augmented_k(bases[-1], loras[-1], plan, gate)
+        keep_down_a_t = backward_runs and not ctx.augmented_dh
         out, ha_down, down_a_t = _down_forward(
-            gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks, any(ctx.needs_input_grad)
+            gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks, keep_down_a_t
         )
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
         ctx.chunk_bytes = settings.chunk_bytes
@@ -332,7 +346,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             down_grad_bases = bias_grads(bases[-1:], needs_bases[-1:], [grad_2d])
             grad_a_down = _down_backward_(
                 gate, up, ctx.activation, grad_2d, grad_ha, down_scale, bases[-1],
-                down_lora, down_a_t, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes,
+                down_lora, down_a_t, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes, ctx.augmented_dh,
             )  # fmt: skip
             down_b = WeightGradProblem(ha_down, grad_2d, down_lora.scale, True, down_lora.lora_b.dtype)
             gate_up = shared_input_backward(
