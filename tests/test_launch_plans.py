@@ -226,7 +226,7 @@ def test_shrink_plan_launches_what_the_launcher_would(recorded_launches, case, k
     assert 1.5 in _floats(launch)  # call 2's own scale, not the plan's first
     # A plan with weight_t and one without are two: each launch is compiled for its own.
     lora_terms._lora_shrink_triton(
-        **{**make_inputs(2), "weight_t": None if keeps_weight_t else torch.empty(K, R)}
+        **{**make_inputs(2), "weight_t": None if keeps_weight_t else torch.empty(K, R, dtype=weight_dtype)}
     )
     assert len(lora_terms._SHRINK_PLANS.plans) == 2
 

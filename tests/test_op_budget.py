@@ -265,9 +265,7 @@ def test_mlp_forward_launches_the_gate_up_gemms_before_the_lora_shrink(layout_id
 
 
 @pytest.mark.parametrize("mode", ["auto", "always"])
-@pytest.mark.parametrize(
-    "layout_id", ["fp32-adapters-on-bf16", "bf16", "nf4-fp32-adapters", "nf4-bf16-adapters"]
-)
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
 @pytest.mark.parametrize("case, chunks", [("o", 1), ("mlp", 1), ("mlp", 2)])
 def test_dx_terms_read_a_contiguous_a_t(case, chunks, layout_id, mode, monkeypatch):
     # dX's LoRA term reads A.T with the rank dim contiguous; lora_a.T is not, and the term's launcher
@@ -279,8 +277,9 @@ def test_dx_terms_read_a_contiguous_a_t(case, chunks, layout_id, mode, monkeypat
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 
     monkeypatch.setattr(LoraAddmmSettings, "mode", mode)
-    # h of the MLP's TOKENS rows of INTERMEDIATE 16-bit values, in `chunks` chunks.
-    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", TOKENS * INTERMEDIATE * 2 // chunks)
+    # h: the MLP's TOKENS rows of INTERMEDIATE values of the layout's dtype, in `chunks` chunks.
+    h_bytes = TOKENS * INTERMEDIATE * LAYOUTS[layout_id][0].itemsize
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", h_bytes // chunks)
     rights = []
 
     def spy(loras, lora_a_t):
