@@ -130,6 +130,11 @@ def test_lora_shrink_keeping_weight_t(x_dtype, w_dtype, shape, layout, monkeypat
     assert kernel.launches == (1 if EXPECT_TRITON and M else 0)
     assert got.T.is_contiguous() and torch.equal(got, lora_terms.lora_shrink(x, weight, SCALE))
     assert weight_t.dtype == w_dtype and weight_t.is_contiguous() and torch.equal(weight_t, weight.T)
+    want, want_t = reference.lora_shrink_keeping_weight_t(x, weight, SCALE)
+    tol = SPLIT_TOLERANCE if (x_dtype, w_dtype) == (BF16, FP32) else TOLERANCE[FP32]
+    assert_rel_close(got, want, tol)
+    assert torch.equal(weight_t, want_t)
+    assert_rel_close(got, SCALE * (x.double() @ weight.double().T), tol)
 
 
 @needs_triton

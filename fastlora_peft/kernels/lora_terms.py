@@ -477,11 +477,11 @@ def _lora_shrink_keeping_weight_t_body(
             weight_t = empty_2d(weight.shape[1], weight.shape[0], weight.dtype, plan.device)
             return _run_shrink_plan(plan, x, weight, scale, None, weight_t), weight_t
     _check_shrink(x, weight)
-    weight_t = empty_2d(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
     if runs_triton(x):
+        weight_t = empty_2d(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
         return _lora_shrink_triton(x=x, weight=weight, scale=scale, weight_t=weight_t), weight_t
-    result = reference.lora_shrink(x, weight, scale)
-    return result.T.contiguous().T, weight_t.copy_(weight.t())
+    result, weight_t = reference.lora_shrink_keeping_weight_t(x, weight, scale)
+    return result.T.contiguous().T, weight_t
 
 
 lora_shrink_keeping_weight_t_op = torch.library.custom_op(

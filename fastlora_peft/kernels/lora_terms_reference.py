@@ -22,6 +22,13 @@ def lora_shrink(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> to
     return product if scale == 1.0 else scale * product
 
 
+def lora_shrink_keeping_weight_t(
+    x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``lora_shrink(x, weight, scale)``, ``weight.T`` contiguous in weight's dtype: [K, R])."""
+    return lora_shrink(x, weight, scale), weight.t().contiguous()
+
+
 def lora_expand_add(
     base: torch.Tensor,
     left: torch.Tensor,
