@@ -141,9 +141,9 @@ def test_lora_shrink_keeping_weight_t(x_dtype, w_dtype, shape, layout, monkeypat
 @pytest.mark.parametrize("w_dtype", [FP32, BF16])
 def test_shrink_writes_weight_t_from_every_split_and_rank_tile(w_dtype):
     # The row blocks take turns writing weight.T, each over some K steps of its split's columns and
-    # its rank tile. Three row blocks, three splits of four K steps (the last one short: row block 0
-    # takes two turns there), two rank tiles; the buffer starts as NaN, so a K step or rank tile left
-    # unwritten shows.
+    # its rank tile. Three row blocks; three splits, two of four K steps (row block 0 takes steps 0
+    # and 3) and a short one of two; two rank tiles. The buffer starts as NaN, so a K step or rank
+    # tile left unwritten shows.
     x = _make(37, 150, BF16, "contig")
     weight = _make(5, 150, w_dtype, "transposed")
     weight_t = torch.full((150, 5), float("nan"), dtype=w_dtype, device=DEVICE)
