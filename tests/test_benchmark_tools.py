@@ -73,6 +73,19 @@ def test_plans_ab_times_both_arms_beside_the_floor(switch):
     assert "floor" in line and f" {switch} " in line and f"no_{switch}" in line, line
 
 
+def test_gpu_suite_parts_cover_every_test_file_once(capsys):
+    """The GPU machine runs the suite in parts (one device call each): together with the files left
+    out there, they name every test file once, and only files that exist."""
+    from benchmarks import gpu_suite
+
+    parts = [gpu_suite.part_files(part) for part in (1, 2, 3)]
+    named = [name for files in parts for name in files] + list(gpu_suite.CPU_ONLY)
+    assert sorted(named) == gpu_suite.all_test_files()
+    assert "tests/test_gpu.py" in parts[0] and "tests/test_lora_addmm.py" in parts[1]
+    assert gpu_suite.main(["--part", "1", "--list"]) == 0
+    assert capsys.readouterr().out.split() == parts[0]
+
+
 def test_wide_split_probe_is_as_exact_as_the_library_split_shrink():
     """The probe's one-dot split (benchmarks/wide_split_probe.py) under the interpreter, with and
     without K splits: its timings on a GPU mean something only if it computes the same shrink."""
