@@ -98,19 +98,46 @@ def test_constexprs_must_be_keywords():
         kernel[(1,)](*runtime_arguments, 32)
 
 
+SHRINK_META = dict(
+    BLOCK_M=32, BLOCK_K=64, BLOCK_R=16, DOT_PRECISION="tf32", DOT_MODE=1, SPLIT=False,
+    STORE_WEIGHT_T=False, num_warps=4, num_stages=2,
+)  # fmt: skip
+
+
+def _shrink_arguments(x, weight, out, weight_t):
+    """`_lora_shrink_kernel`'s runtime arguments for one split (no partials, no counters)."""
+    rows, k = x.shape
+    return (
+        x, weight, out, out, out, weight_t,
+        rows, k, 16, k, 1, 0.5,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
+def test_the_cuda_reuse_test_calls_the_shrink_kernel_with_its_current_signature():
+    """The CUDA test below launches `_lora_shrink_kernel` by hand, so it goes stale when the kernel
+    gains a parameter, and CI (CPU only) skips it: the thirty-sixth session found it failing on
+    the H200 two sessions after the shrink gained WeightT_ptr and STORE_WEIGHT_T. Here its
+    arguments bind to the kernel's signature on the CPU."""
+    import inspect
+
+    x, weight, out = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, 16)
+    constexprs = {name: value for name, value in SHRINK_META.items() if not name.startswith("num_")}
+    signature = inspect.signature(lora_terms._lora_shrink_kernel.kernel.fn)
+    signature.bind(*_shrink_arguments(x, weight, out, out), **constexprs)
+
+
 @needs_cuda
 def test_reused_kernel_is_the_one_triton_launches():
     """Shrink launches differing in every property Triton specializes on: for each, the compiled
     kernel the cache holds under its key is the very object Triton's own launch path picks for the
-    same arguments, and the cached launch computes 0.5 * x @ weight.T."""
+    same arguments, and the cached launch computes 0.5 * x @ weight.T (and, with STORE_WEIGHT_T,
+    writes weight.T)."""
     cached: CachedKernel = lora_terms._lora_shrink_kernel
     device = torch.device("cuda")
     storage = torch.randn(80 * 300, device=device, dtype=torch.bfloat16)
     weight_storage = torch.randn(16 * 300 + 1, device=device, dtype=torch.bfloat16)
-    meta = dict(
-        BLOCK_M=32, BLOCK_K=64, BLOCK_R=16, DOT_PRECISION="tf32", DOT_MODE=1, SPLIT=False,
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
+    meta = dict(SHRINK_META)
     cases = [
         (storage[: 64 * 256].view(64, 256), weight_storage[: 16 * 256].view(16, 256)),
         (storage[1 : 1 + 64 * 256].view(64, 256), weight_storage[: 16 * 256].view(16, 256)),  # x misaligned
@@ -119,23 +146,26 @@ def test_reused_kernel_is_the_one_triton_launches():
         (storage[: 80 * 256].view(256, 80).t(), weight_storage[: 16 * 256].view(16, 256)),  # x column-major
         (storage[:256].view(1, 256), weight_storage[: 16 * 256].view(16, 256)),  # one row
     ]
+    cases = [(x, weight, False) for x, weight in cases]
+    cases.append((cases[0][0], cases[0][1], True))  # a constexpr: the same tensors, W^T stored as well
     for round_ in range(2):  # the second round launches from the cache
-        for x, weight in cases:
+        for x, weight, store_weight_t in cases:
             rows, k = x.shape
             out = torch.empty(rows, 16, device=device, dtype=torch.float32)
-            args = (
-                x, weight, out, out, out,  # one split: no partials, no counters
-                rows, k, 16, k, 1, 0.5,
-                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-            )  # fmt: skip
+            weight_t = torch.zeros(k, 16, device=device, dtype=weight.dtype) if store_weight_t else out
+            args = _shrink_arguments(x, weight, out, weight_t)
+            case_meta = dict(meta, STORE_WEIGHT_T=store_weight_t)
             grid = (triton_cdiv(rows, 32), 1, 1)
-            cached[grid](*args, **meta)
+            cached[grid](*args, **case_meta)
             torch.testing.assert_close(out, 0.5 * (x.float() @ weight.float().T), rtol=1e-5, atol=1e-3)
-            own = cached.kernel[grid](*args, **meta)  # Triton's own path, bypassing the cache
-            assert cached.compiled[cached.key(args, meta, torch.cuda.current_device())] is own, (
+            if store_weight_t:
+                assert torch.equal(weight_t, weight.T)
+            own = cached.kernel[grid](*args, **case_meta)  # Triton's own path, bypassing the cache
+            assert cached.compiled[cached.key(args, case_meta, torch.cuda.current_device())] is own, (
                 round_,
                 tuple(x.shape),
                 x.stride(),
+                store_weight_t,
             )
 
 
