@@ -137,7 +137,6 @@ def test_reused_kernel_is_the_one_triton_launches():
     device = torch.device("cuda")
     storage = torch.randn(80 * 300, device=device, dtype=torch.bfloat16)
     weight_storage = torch.randn(16 * 300 + 1, device=device, dtype=torch.bfloat16)
-    meta = dict(SHRINK_META)
     cases = [
         (storage[: 64 * 256].view(64, 256), weight_storage[: 16 * 256].view(16, 256)),
         (storage[1 : 1 + 64 * 256].view(64, 256), weight_storage[: 16 * 256].view(16, 256)),  # x misaligned
@@ -154,7 +153,7 @@ def test_reused_kernel_is_the_one_triton_launches():
             out = torch.empty(rows, 16, device=device, dtype=torch.float32)
             weight_t = torch.zeros(k, 16, device=device, dtype=weight.dtype) if store_weight_t else out
             args = _shrink_arguments(x, weight, out, weight_t)
-            case_meta = dict(meta, STORE_WEIGHT_T=store_weight_t)
+            case_meta = dict(SHRINK_META, STORE_WEIGHT_T=store_weight_t)
             grid = (triton_cdiv(rows, 32), 1, 1)
             cached[grid](*args, **case_meta)
             torch.testing.assert_close(out, 0.5 * (x.float() @ weight.float().T), rtol=1e-5, atol=1e-3)
