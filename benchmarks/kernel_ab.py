@@ -1,6 +1,6 @@
 """Kernel time of a library switch on and off, the two arms interleaved step by step in one profile.
 
-python -m benchmarks.kernel_ab [--switch augmented|plans|addmm|sum|group|wgrad|shrink|dequant
+python -m benchmarks.kernel_ab [--switch augmented|plans|addmm|sum|group|wgrad|shrink|dequant|gated
     | --against-floor] [--block mlp] [--base nf4] [--adapters fp32] [--tokens 8192] [--steps 12]
     [--rows 25] [--smoke]
 

@@ -1,7 +1,7 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad|shrink|dequant] [--tokens 8192]
-    [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
+python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad|shrink|dequant|gated]
+    [--tokens 8192] [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
 processes and machines, so a before/after of a switch is only readable inside one process: the same
@@ -21,7 +21,10 @@ expand-add elsewhere ("augmented" / "no_augmented"; `functions/augmented_k.py`);
 `group`, `LoraAddmmSettings.group_forward`: a group's forward GEMMs as one `lora_addmm_group` launch
 against one lora_addmm per member (`kernels/lora_addmm_group.py`); `dequant`,
 `DequantizeGroupSettings.enabled`: a 4-bit group's weights by one dequantize launch against one per
-weight (`kernels/dequant4bit_group.py`; only a 4-bit base, `--bases nf4`, has any).
+weight (`kernels/dequant4bit_group.py`; only a 4-bit base, `--bases nf4`, has any); `gated`,
+`GatedBackwardSettings`: the MLP's gated backward kernel in the library's launches against the
+32 x 64 tiles, 2 stages it had before the thirty-seventh session (`kernels/gated_act_lora.py`; only
+`--blocks mlp` runs that kernel).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels import lora_addmm
 from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.dequant4bit_group import DequantizeGroupSettings
+from fastlora_peft.kernels.gated_act_lora import GatedBackwardSettings
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
 from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
@@ -103,6 +107,19 @@ def set_shrink(enabled: bool) -> None:
     ShrinkGroupSettings.enabled = enabled
 
 
+# The gated backward kernel's launches before the thirty-seventh session: 32 x 64 tiles, 2 stages.
+_GATED_LAUNCH_BEFORE = (32, 64, 4, 2, 2)
+_GATED_LAUNCHES = GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch
+
+
+def set_gated(enabled: bool) -> None:
+    """On: the MLP's gated backward + dA_down kernel in the library's launches (16 x 128 tiles, 3
+    stages, where they give every SM two programs); off: 32 x 64 tiles, 2 stages everywhere, as before
+    the thirty-seventh session. Launch plans are keyed on the settings: each arm keeps its own."""
+    launch, few = _GATED_LAUNCHES if enabled else (_GATED_LAUNCH_BEFORE, _GATED_LAUNCH_BEFORE)
+    GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch = launch, few
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "plans": set_plans,
     "augmented": set_augmented,
@@ -112,6 +129,7 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
     "wgrad": set_wgrad,
     "shrink": set_shrink,
     "dequant": set_dequant,
+    "gated": set_gated,
 }
 
 
@@ -124,6 +142,7 @@ def library_defaults() -> Callable[[], None]:
     sum_members, group_forward = LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward
     grouped_weight_grads, grouped_shrinks = WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled
     grouped_dequantize = DequantizeGroupSettings.enabled
+    gated_launches = GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch
 
     def restore() -> None:
         LaunchPlans.enabled = plans
@@ -132,6 +151,7 @@ def library_defaults() -> Callable[[], None]:
         LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward = sum_members, group_forward
         WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled = grouped_weight_grads, grouped_shrinks
         DequantizeGroupSettings.enabled = grouped_dequantize
+        GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch = gated_launches
 
     return restore
 

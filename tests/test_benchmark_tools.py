@@ -62,7 +62,7 @@ def test_host_ab_kernel_mode_profiles_each_arm_against_the_floor(tmp_path):
     assert "kernel time x floor" in done.stdout
 
 
-@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink", "dequant"])
+@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink", "dequant", "gated"])
 def test_plans_ab_times_both_arms_beside_the_floor(switch):
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
     command += ["--repeats", "1", "--rounds", "1", "--switch", switch]
@@ -236,11 +236,14 @@ def test_ab_tools_put_the_library_defaults_back():
     from fastlora_peft.kernels import lora_addmm
     from fastlora_peft.kernels._launch import LaunchPlans
     from fastlora_peft.kernels.dequant4bit_group import DequantizeGroupSettings
+    from fastlora_peft.kernels.gated_act_lora import GatedBackwardSettings
     from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
     from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
     from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
 
     assert LoraAddmmSettings.mode == "auto"
+    gated_launches = GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch
+    assert gated_launches == ((16, 128, 4, 3, 2), (32, 64, 4, 2, 2))
     plans = LaunchPlans.enabled
     restore = plans_ab.library_defaults()
     try:
@@ -251,6 +254,7 @@ def test_ab_tools_put_the_library_defaults_back():
         assert not LoraAddmmSettings.sum_members and not LoraAddmmSettings.group_forward
         assert not WeightGradGroupSettings.enabled and not ShrinkGroupSettings.enabled
         assert not DequantizeGroupSettings.enabled
+        assert GatedBackwardSettings.launch == GatedBackwardSettings.few_programs_launch == (32, 64, 4, 2, 2)
     finally:
         restore()
     assert LoraAddmmSettings.mode == "auto" and LaunchPlans.enabled == plans
@@ -258,6 +262,7 @@ def test_ab_tools_put_the_library_defaults_back():
     assert LoraAddmmSettings.group_forward and WeightGradGroupSettings.enabled and ShrinkGroupSettings.enabled
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
+    assert (GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch) == gated_launches
     assert DequantizeGroupSettings.enabled
 
 

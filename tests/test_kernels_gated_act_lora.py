@@ -73,7 +73,7 @@ CASES = [
 ]
 CASES += [
     Case(FP32, "gelu_tanh", 70, 1, block_m=32, block_r=16, left_layout="cols"),
-    Case(BF16, "silu", 5, None, block_m=64, block_i=64),  # the GPU blocks: one tile, one split
+    Case(BF16, "silu", 5, None, block_m=16, block_i=128),  # the default launch's tiles: one tile, one split
 ]
 
 
@@ -160,8 +160,8 @@ def test_kernel_matches_unfused_reference_and_float64(case: Case):
 
 @requires_interpreter
 def test_default_geometry_splits_tokens_with_a_partial_last_split(monkeypatch):
-    # As on a GPU of 132 SMs: 1100 rows become 3 splits of 384, 384 and 332 (at least 512 rows each
-    # before rounding up to 64-row blocks), one 64-column tile.
+    # As on a GPU of 132 SMs: 1100 rows become 3 splits of 368, 368 and 364 (at least 512 rows each
+    # before rounding up to the default launch's 16-row blocks), one column tile.
     monkeypatch.setattr(gated_act_lora, "_num_sms", lambda device: 132)
     spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grad_kernel)
     monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grad_kernel", spy)
@@ -197,7 +197,7 @@ def spy_on_paths(monkeypatch, dtype):
 @requires_interpreter
 def test_pin_triton_kernel_ran_under_interpreter(monkeypatch):
     grids, reference_calls = spy_on_paths(monkeypatch, FP32)
-    assert grids == [(1, 1)] * 2 and reference_calls == []  # 45 columns: one 64-wide tile, one split
+    assert grids == [(1, 1)] * 2 and reference_calls == []  # 45 columns: one 128-wide tile, one split
 
 
 @pytest.mark.skipif(TRITON_INTERPRET, reason="under TRITON_INTERPRET=1 CPU tensors run the Triton kernel")
@@ -284,3 +284,52 @@ def test_rejects_bad_inputs(name: str):
     args, message = bad_inputs()[name]
     with pytest.raises(ValueError, match=message):
         gated_act_backward_weight_grad_(*args, SCALE)
+
+
+# --- the default launch ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows, columns, wide",
+    [
+        (2048, 14336, True),
+        (1792, 14336, True),
+        (2048, 11008, True),
+        (1024, 14336, False),
+        (512, 14336, False),
+    ],
+)
+def test_default_launch_keeps_two_programs_per_sm(monkeypatch, rows, columns, wide):
+    # On 132 SMs the 16 x 128 launch (the H200's fastest at 2048-row chunks) makes 336 programs of a
+    # 2048 x 14336 chunk, but 224 of 1024 rows and 112 of 512 (splits stop at 512 rows), where the
+    # 32 x 64 launch was faster (docs/benchmarks/session37/e/gated_shapes_ab.log).
+    monkeypatch.setattr(gated_act_lora, "_num_sms", lambda device: 132)
+    launch = gated_act_lora.default_launch(rows, columns, torch.device("cuda"))
+    settings = gated_act_lora.GatedBackwardSettings
+    assert launch == (settings.launch if wide else settings.few_programs_launch)
+
+
+@requires_interpreter
+def test_default_launch_is_the_one_launched(monkeypatch):
+    # 600 x 100: on 132 SMs one 128-column tile in 2 splits is too few programs, so 32 x 64 tiles
+    # (2 column tiles, 2 splits of 320 rows); on one "SM" the 16 x 128 launch (1 tile, 2 splits).
+    spy = LaunchSpy(gated_act_lora._gated_act_backward_weight_grad_kernel)
+    monkeypatch.setattr(gated_act_lora, "_gated_act_backward_weight_grad_kernel", spy)
+    grad_h, gate_up, left = make_inputs(FP32, 5, tokens=600, features=100, seed=8)
+    for sms, grid in ((132, (2, 2)), (1, (1, 2))):
+        monkeypatch.setattr(gated_act_lora, "_num_sms", lambda device, sms=sms: sms)
+        results = run_fused(grad_h, gate_up, "silu", left)
+        assert spy.grids[-1] == grid
+        check_against_unfused_reference_and_float64(
+            Case(FP32, "silu", 5), grad_h, gate_up, left, *results, unfused=False
+        )
+
+
+def test_plan_key_holds_the_settings(monkeypatch):
+    # A plan made under other launches (a benchmark's switch between its arms) is never served.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the key's device (CPU here)
+    grad_h, gate_up, left = make_inputs(BF16, 5)
+    gate, up = halves(gate_up)
+    key = gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left)
+    monkeypatch.setattr(gated_act_lora.GatedBackwardSettings, "launch", (32, 64, 4, 2, 2))
+    assert gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left) != key

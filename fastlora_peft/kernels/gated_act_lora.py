@@ -152,11 +152,45 @@ def _gated_act_backward_weight_grad_kernel(
 
 # ---------------------------------------------------------------------------------------------------
 # Launcher. Keyword-only block sizes default to the GPU choice; tests pass small ones to cover
-# several tiles, splits and rank passes on tiny shapes. H200, one 2048-row chunk of I = 14336, bf16,
-# rank 16 (`python -m benchmarks.tune_lora_terms --gated`, 72 configs): 32 x 64 tiles, 4 warps,
-# 2 stages, 2 programs per SM took 136us (2.2 TB/s) against 157us for the three launches it replaces
-# and 183us with 64-row tiles.
+# several tiles, splits and rank passes on tiny shapes.
 # ---------------------------------------------------------------------------------------------------
+
+
+class GatedBackwardSettings:
+    """The kernel's default launches, (BLOCK_M, BLOCK_I, warps, stages, programs per SM), read at every
+    default launch (`benchmarks.plans_ab --switch gated` and `kernel_ab --switch gated` set them).
+
+    H200, bf16, rank 16, one 2048-row chunk of I = 14336 (the 8192-token MLP's four, the 2048-token
+    one's only chunk). The kernel's first tune (`c6096eb`, `python -m benchmarks.tune_lora_terms
+    --gated`, 72 configs of 1 or 2 stages) chose 32 x 64 tiles, 4 warps, 2 stages, 2 programs per SM:
+    136us (2.2 TB/s) against 157us for the three launches it replaces. Thirty-seventh session, with
+    3 stages (36 configs, three interleaved rounds, `docs/benchmarks/session37/d/gated_plain_tune.log`):
+    16 x 128 tiles, 3 stages took 113.1us against 124.4 (0.909x in each round). At other shapes
+    (`e/gated_shapes_ab.log`, the same two launches): 0.91x at 1792 rows, 0.79x at I = 11008, 0.96x
+    at rank 32, 1.00x at rank 64, 0.57x with fp16 (2048 rows); but 1.11x at 1024 rows and 1.19x at
+    512 (bf16), where the 128-column tiles leave the SMs fewer than two programs each (224 and 112
+    programs on 132 SMs, against 448 and 224): there `few_programs_launch` stays, also for fp32
+    gate/up (0.71x at 1024 rows, given up with it).
+    """
+
+    launch = (16, 128, 4, 3, 2)
+    few_programs_launch = (32, 64, 4, 2, 2)
+
+
+def _row_splits(M: int, col_tiles: int, split_per_sm: int, device: torch.device) -> int:
+    """Splits of the tokens only as far as needed to give every SM `split_per_sm` programs (a 2048-row
+    chunk at I = 14336 in 128-column tiles: 3 splits on an H200's 132 SMs), none under
+    `_MIN_ROWS_PER_SPLIT` rows."""
+    return min(cdiv(split_per_sm * _num_sms(device), col_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+
+
+def default_launch(M: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """`GatedBackwardSettings.launch`, or its `few_programs_launch` where the first would give the SMs
+    fewer than two programs each."""
+    launch = GatedBackwardSettings.launch
+    col_tiles = cdiv(n_cols, launch[1])
+    programs = col_tiles * _row_splits(M, col_tiles, launch[4], device)
+    return launch if programs >= 2 * _num_sms(device) else GatedBackwardSettings.few_programs_launch
 
 
 def _gated_act_backward_weight_grad_triton(
@@ -168,21 +202,26 @@ def _gated_act_backward_weight_grad_triton(
     left: torch.Tensor,
     scale: float,
     split: int | None = None,
-    block_m: int = 32,
-    block_i: int = 64,
+    block_m: int | None = None,
+    block_i: int | None = None,
     block_r: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    split_per_sm: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_per_sm: int | None = None,
 ) -> torch.Tensor:
-    # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
+    """block_m, block_i, num_warps, num_stages, split_per_sm: `default_launch`'s where None."""
+    launch = (block_m, block_i, num_warps, num_stages, split_per_sm)
     plan_key = None
-    defaults = split is None and block_m == 32 and block_i == 64 and block_r is None
-    if defaults and (num_warps, num_stages, split_per_sm) == (4, 2, 2) and _WEIGHT_GRAD_PLANS.enabled:
+    if launch == (None,) * 5 and split is None and block_r is None and _WEIGHT_GRAD_PLANS.enabled:
+        # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
         plan_key = _weight_grad_plan_key(grad_h, gate, up, activation, left)
         plan = _WEIGHT_GRAD_PLANS.get(plan_key)
         if plan is not None:
             return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)
+    default = default_launch(*gate.shape, gate.device)
+    block_m, block_i, num_warps, num_stages, split_per_sm = (
+        given if given is not None else chosen for given, chosen in zip(launch, default)
+    )
     M, n_cols = gate.shape
     R = left.shape[1]
     if M == 0 or n_cols == 0 or R == 0:
@@ -197,9 +236,7 @@ def _gated_act_backward_weight_grad_triton(
     block_r = block_r or _rank_block(R, cap=64)
     col_tiles = cdiv(n_cols, block_i)
     if split is None:
-        # Split the tokens only as far as needed to give every SM two programs: a 2048-row chunk at
-        # I = 14336 has 224 column tiles, 2 splits on an H200's 132 SMs.
-        split = min(cdiv(split_per_sm * _num_sms(gate.device), col_tiles), cdiv(M, _MIN_ROWS_PER_SPLIT))
+        split = _row_splits(M, col_tiles, split_per_sm, gate.device)
     rows_per_split = cdiv(cdiv(M, max(split, 1)), block_m) * block_m
     split = cdiv(M, rows_per_split)  # no empty splits
     # Deterministic: the splits' fp32 partials are summed in split order inside the kernel (split_sum).
@@ -242,8 +279,10 @@ _WEIGHT_GRAD_PLANS = LaunchPlans("gated_act_backward_weight_grad_")
 
 
 def _weight_grad_plan_key(grad_h, gate, up, activation, left) -> tuple:
-    """The one key of a plan here: the launcher's and the op body's lookups must agree."""
-    return _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left)
+    """The one key of a plan here: the launcher's and the op body's lookups must agree. It holds the
+    settings' launches, so a plan made under others (a benchmark's switch) is not served."""
+    settings = (GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch)
+    return _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left, settings)
 
 
 def _run_weight_grad_plan(plan: _WeightGradPlan, grad_h, gate, up, left, scale) -> torch.Tensor:
