@@ -151,8 +151,8 @@ def _gated_act_backward_weight_grad_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launcher. Keyword-only block sizes default to the GPU choice; tests pass small ones to cover
-# several tiles, splits and rank passes on tiny shapes.
+# Launcher. Keyword-only block sizes default to `default_launch`'s (the GPU choice); tests pass small
+# ones to cover several tiles, splits and rank passes on tiny shapes.
 # ---------------------------------------------------------------------------------------------------
 
 
