@@ -320,12 +320,13 @@ def test_host_timers_put_every_function_back():
         from fastlora_peft.functions import shared_input
 
         assert wrapped > 100 and torch.empty is not before["torch.empty"]
-        assert shared_input.rank_slices is not before[("fastlora_peft.functions.shared_input", "rank_slices")]
+        assert shared_input.rank_blocks is not before[("fastlora_peft.functions.shared_input", "rank_blocks")]
+        stacked = torch.zeros(2)
         timers.on = True
-        shared_input.rank_slices([])
+        shared_input.rank_blocks(stacked, [None], 0)  # one projection: the tensor itself
         torch.empty(1)
         timers.on = False
-        assert timers.calls == {"functions.shared_input.rank_slices": 1, "torch.empty": 1}
+        assert timers.calls == {"functions.shared_input.rank_blocks": 1, "torch.empty": 1}
     after = snapshot()
     assert after.keys() == before.keys()
     assert [key for key in before if after[key] is not before[key]] == []

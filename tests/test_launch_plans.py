@@ -100,9 +100,23 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         lora_weight_grad_group._GROUP_PLANS,
         lora_terms._STACKED_PLANS,
     )
-    for plans in (*all_plans, *gated_plans, *other_plans):
+    for plans in (*all_plans, *gated_plans, *other_plans, *_every_launch_plans()):
         monkeypatch.setattr(plans, "plans", {})
     return calls
+
+
+def _every_launch_plans() -> list[_launch.LaunchPlans]:
+    """Every launcher's plans in the kernels package (a new launcher's too: no test may see another's)."""
+    import importlib
+    import pkgutil
+
+    import fastlora_peft.kernels as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        found += [value for value in vars(module).values() if isinstance(value, _launch.LaunchPlans)]
+    return found
 
 
 def counted_fit_checks(monkeypatch, module, fits_name: str) -> list:

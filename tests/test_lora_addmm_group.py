@@ -213,14 +213,17 @@ def test_plan_launches_directly_and_computes_the_reference(triton_launches, monk
         for out, truth in zip(outs, _truths(a, b, left, right, scale)):
             assert rel_err(out, truth) < 5e-3, call
     assert triton_launches["_lora_addmm_group_tma_kernel"] == 3
-    plan = group_module._GROUP_PLANS.get(group_module._group_plan_key(a, b, left, right))
+    weights = [b_i.t() for b_i in b]
+    plan = group_module._GROUP_PLANS.get(group_module._group_plan_key(a, weights, left, right))
     assert plan is not None and plan.launch.direct is not None and len(plan.launch.direct.encoders) == 7
 
 
 # ---------------------------------------------------------------------------------------------------
 # The fused group's forward (feature sizes multiples of 64: bitsandbytes quantizes only those on CPU).
 # ---------------------------------------------------------------------------------------------------
-_VIEW_OPS = frozenset({"view", "t", "slice", "alias", "detach", "transpose", "_unsafe_view", "as_strided"})
+_VIEW_OPS = frozenset(
+    {"view", "t", "slice", "alias", "detach", "transpose", "_unsafe_view", "as_strided", "split_with_sizes"}
+)
 
 
 def _group_forward(shapes, layout, bias=False):

@@ -307,8 +307,11 @@ def test_tiny_llama_groups_take_the_sum(adapter_dtype, monkeypatch):
 
         return call
 
-    for name, record in (("sum", calls), ("group", group_calls)):
-        where_name = f"lora_addmm_{name}_where_it_pays_off"
+    wheres = {
+        "lora_addmm_sum_where_it_pays_off": calls,
+        "lora_addmm_group_of_weights_where_it_pays_off": group_calls,
+    }
+    for where_name, record in wheres.items():
         monkeypatch.setattr(group_gemms, where_name, counted(getattr(group_gemms, where_name), record))
 
     def step(grouped):  # q/k/v's forward in one launch too (lora_addmm_group), or neither

@@ -34,6 +34,7 @@ _VIEW_OPS = frozenset(
         "transpose",
         "_unsafe_view",
         "as_strided",
+        "split_with_sizes",
     }
 )
 
@@ -99,6 +100,9 @@ _MLP_SHAPES = [(HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HI
 SHRINK, EXPAND, WGRAD = "fastlora.lora_shrink", "fastlora.lora_expand_add_", "fastlora.lora_weight_grad"
 WGRADS = "fastlora.lora_weight_grads"  # a Function's weight gradients in one op (grouped launches inside)
 SHRINK_STACKED = "fastlora.lora_shrink_stacked"
+# A group's forward shrink, read from each member's lora_A and writing the A^T side by side for
+# backward's dX term (no cat of the As: `lora_shrink_stack`).
+SHRINK_STACKING = "fastlora.lora_shrink_stacking_weights"
 # One projection's forward shrink, writing A.T (rank dim contiguous) for backward's dX term, where
 # the term's launcher would copy lora_a.T inside its op (`test_dx_terms_read_a_contiguous_a_t`).
 SHRINK_KEEP = "fastlora.lora_shrink_keeping_weight_t"
@@ -115,13 +119,13 @@ CASES = {
     # forward: one pass over x for every A (A.T kept), the base matmul, the LoRA term added in place.
     # backward: dY @ B, dX (one matmul, the LoRA term in place), dA and dB (one op, one launch).
     "o": (_o, _O_SHAPES, {SHRINK_KEEP: 1, "mm": 1, EXPAND: 1}, {SHRINK: 1, "mm": 1, EXPAND: 1, WGRADS: 1}, 0),
-    # forward: the A^T side by side once (kept for backward's dX term); backward: dY_i @ B_i written
-    # side by side (one op, no cat), dX accumulated in one buffer, dA of all three in one pass and the
-    # dB_i in one op (two launches: dA's rank is 3r).
+    # forward: one shrink from every lora_A, writing the A^T side by side (kept for backward's dX
+    # term); backward: dY_i @ B_i written side by side (one op, no cat), dX accumulated in one buffer,
+    # dA of all three in one pass and the dB_i in one op (two launches: dA's rank is 3r).
     "qkv": (
         _o,
         _QKV_SHAPES,
-        {"cat": 1, SHRINK: 1, "mm": 3, EXPAND: 3},
+        {SHRINK_STACKING: 1, "mm": 3, EXPAND: 3},
         {SHRINK_STACKED: 1, "mm": 1, "addmm_": 2, EXPAND: 1, WGRADS: 1},
         0,
     ),
@@ -131,7 +135,7 @@ CASES = {
     "mlp": (
         _mlp,
         _MLP_SHAPES,
-        {"cat": 1, SHRINK: 1, SHRINK_KEEP: 1, "mm": 3, EXPAND: 1, GATED_FWD: 1},
+        {SHRINK_STACKING: 1, SHRINK_KEEP: 1, "mm": 3, EXPAND: 1, GATED_FWD: 1},
         {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRADS: 1, GATED_BWD: 1},
         1,
     ),
@@ -215,14 +219,14 @@ def test_weight_grads_get_token_major_left_operands(case, layout_id, monkeypatch
 
 
 # Where the TMA kernels take a group's GEMMs (`LoraAddmmSettings`: "auto" on Hopper from 1024 rows;
-# "always" here), q/k/v's forward is the A^T cat, one pass over x and one launch for all three GEMMs
-# with their terms; dX is one GEMM over the three members with the term; o_proj's GEMMs carry their
-# terms (lora_addmm). The MLP's gate/up dX sums only under "always" (its K of 14336 stays out under
-# "auto", `lora_addmm_sum.SUM_MAX_MEMBER_K`).
+# "always" here), q/k/v's forward is one pass over x (writing the A^T side by side) and one launch
+# for all three GEMMs with their terms; dX is one GEMM over the three members with the term;
+# o_proj's GEMMs carry their terms (lora_addmm). The MLP's gate/up dX sums only under "always" (its
+# K of 14336 stays out under "auto", `lora_addmm_sum.SUM_MAX_MEMBER_K`).
 ADDMM, ADDMM_SUM, ADDMM_GROUP = "fastlora.lora_addmm", "fastlora.lora_addmm_sum", "fastlora.lora_addmm_group"
 TMA_CASES = {
     "o": ({SHRINK_KEEP: 1, ADDMM: 1}, {SHRINK: 1, ADDMM: 1, WGRADS: 1}),
-    "qkv": ({"cat": 1, SHRINK: 1, ADDMM_GROUP: 1}, {SHRINK_STACKED: 1, ADDMM_SUM: 1, WGRADS: 1}),
+    "qkv": ({SHRINK_STACKING: 1, ADDMM_GROUP: 1}, {SHRINK_STACKED: 1, ADDMM_SUM: 1, WGRADS: 1}),
 }
 
 
@@ -249,7 +253,7 @@ def test_fused_step_with_the_tma_gemms_dispatches_its_budget(case, layout_id, mo
 @pytest.mark.parametrize("layout_id", list(LAYOUTS))
 def test_mlp_forward_launches_the_gate_up_gemms_before_the_lora_shrink(layout_id):
     """Where the host is slower than the GPU, the block's largest GEMMs should start before the host
-    spends its time on the A's cat and the shrink, which only the activation's kernel needs."""
+    spends its time on the shrink, which only the activation's kernel needs."""
     torch.manual_seed(0)
     layout = LAYOUTS[layout_id]
     dtype, adapter_dtype, quantized = layout
@@ -261,7 +265,7 @@ def test_mlp_forward_launches_the_gate_up_gemms_before_the_lora_shrink(layout_id
     order = forward.order
     gate_up_gemms = [index for index, name in enumerate(order) if name == "mm"][:2]
     assert len(gate_up_gemms) == 2, order
-    assert max(gate_up_gemms) < order.index("cat") < order.index(SHRINK), order
+    assert max(gate_up_gemms) < order.index(SHRINK_STACKING), order
 
 
 @pytest.mark.parametrize("mode", ["auto", "always"])

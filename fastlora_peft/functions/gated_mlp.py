@@ -35,7 +35,6 @@ from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
 from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
-from ..kernels.lora_terms import lora_shrink
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import (
     FrozenBase,
@@ -48,12 +47,12 @@ from .shared_input import (
     WeightGradProblem,
     base_outputs,
     bias_grads,
-    group_lora_a_t,
     hoisted_grad_xa,
-    rank_slices,
+    rank_blocks,
     shared_input_backward,
     shared_input_forward,
     shared_input_grad_x,
+    shrink_stacking_lora_a,
 )
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
@@ -119,10 +118,8 @@ def _gate_up_lora_terms(xa: torch.Tensor, loras: Sequence[LoraWeights]) -> GateU
     """The terms of (gate, up) or of the two halves of one gate_up (whose xa columns they share)."""
     if len(loras) == 2:
         gate, up = loras
-        gate_ranks, up_ranks = rank_slices(loras)
-        return GateUpLoraTerms(
-            xa[:, gate_ranks], gate.lora_b, gate.scale, xa[:, up_ranks], up.lora_b, up.scale
-        )
+        gate_left, up_left = rank_blocks(xa, loras, 1)
+        return GateUpLoraTerms(gate_left, gate.lora_b, gate.scale, up_left, up.lora_b, up.scale)
     (gate_up,) = loras
     half = gate_up.lora_b.shape[0] // 2
     right = gate_up.lora_b
@@ -291,10 +288,9 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         # Gate and up without their LoRA terms: the activation kernel adds them (see _down_forward).
         # Their GEMMs are launched first, then the LoRA shrink they do not need: where the host is
         # slower than the GPU, the block's largest GEMMs start before the host spends its time on the
-        # cat and the shrink, instead of after.
+        # shrink, instead of after.
         pre_activations = base_outputs(x_2d, bases[:-1], plan)
-        lora_a_t = group_lora_a_t(loras[:-1])
-        xa_in = lora_shrink(x_2d, loras[0].lora_a if lora_a_t is None else lora_a_t.t())
+        xa_in, lora_a_t = shrink_stacking_lora_a(x_2d, loras[:-1])
         gate, up = _gate_and_up(pre_activations)
         gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
         chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)

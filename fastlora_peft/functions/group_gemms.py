@@ -13,7 +13,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..dtypes import DtypePlan
-from ..kernels.lora_addmm_group import lora_addmm_group_may_take, lora_addmm_group_where_it_pays_off
+from ..kernels.lora_addmm_group import (
+    lora_addmm_group_may_take,
+    lora_addmm_group_of_weights_where_it_pays_off,
+)
 from ..kernels.lora_addmm_sum import lora_addmm_sum_may_take, lora_addmm_sum_where_it_pays_off
 from .frozen_base import (
     FrozenBase,
@@ -50,24 +53,24 @@ def grouped_4bit_weights(bases: Sequence[FrozenBase], plan: DtypePlan) -> Option
 
 def grouped_forward(
     x_compute: torch.Tensor,
-    xa: torch.Tensor,
+    lefts: Sequence[torch.Tensor],
     bases: Sequence[FrozenBase],
     loras: Sequence[LoraWeights],
     plan: DtypePlan,
-    ranks: Sequence[slice],
 ) -> tuple[Optional[list[torch.Tensor]], Optional[list[torch.Tensor]]]:
     """(every member's output `x @ W_i.T + scale_i * xa_i @ B_i.T` from one `lora_addmm_group`
-    launch, None), or (None, the weights made or None). ranks: each member's columns of xa."""
+    launch, None), or (None, the weights made or None). lefts: each member's columns of xa
+    (`rank_blocks`)."""
     if any(base.bias is not None for base in bases):
         return None, None
     if not lora_addmm_group_may_take(x_compute, plan.out_dtype) or not group_weights_fit(bases, plan):
         return None, None
     weights = materialize_weights(bases, plan.compute_dtype)
-    weights_t = [weight.t() for weight in weights]
-    lefts = [xa[:, columns] for columns in ranks]
     rights = [lora.lora_b for lora in loras]
     scales = [lora.scale for lora in loras]
-    outputs = lora_addmm_group_where_it_pays_off(x_compute, weights_t, lefts, rights, scales, plan.out_dtype)
+    outputs = lora_addmm_group_of_weights_where_it_pays_off(
+        x_compute, weights, lefts, rights, scales, plan.out_dtype
+    )
     return (None, weights) if outputs is None else (outputs, None)
 
 

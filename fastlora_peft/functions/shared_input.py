@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm_auto_takes, lora_addmm_where_it_pays_off
 from ..kernels.lora_addmm_sum import MAX_MEMBERS
+from ..kernels.lora_shrink_stack import lora_shrink_stacking_weights
 from ..kernels.lora_terms import (
     lora_expand_add,
     lora_expand_add_,
     lora_shrink,
     lora_shrink_keeping_weight_t,
-    lora_shrink_stacked,
+    lora_shrink_stacked_of_transposed,
     lora_weight_grad,
 )
 from ..kernels.lora_weight_grad_group import lora_weight_grads
@@ -61,14 +62,13 @@ class WeightGradProblem(NamedTuple):
     out_dtype: Optional[torch.dtype]
 
 
-def rank_slices(loras: Sequence[LoraWeights]) -> list[slice]:
-    """Column ranges of each projection in the stacked `xa` ([tokens, sum r])."""
-    slices, start = [], 0
-    for lora in loras:
-        rank = lora.lora_a.shape[0]
-        slices.append(slice(start, start + rank))
-        start += rank
-    return slices
+def rank_blocks(stacked: torch.Tensor, loras: Sequence[LoraWeights], dim: int) -> Sequence[torch.Tensor]:
+    """Each projection's block of a tensor stacked along `dim` by rank (`xa`'s columns, dA's rows):
+    views from one `split_with_sizes` call, where a slicing view per projection is one op each
+    (PLACEHOLDER_SLICE_COST). One projection's block is the tensor itself."""
+    if len(loras) == 1:
+        return (stacked,)
+    return stacked.split_with_sizes([lora.lora_a.shape[0] for lora in loras], dim)
 
 
 def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
@@ -89,11 +89,16 @@ def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
     )
 
 
-def group_lora_a_t(loras: Sequence[LoraWeights]) -> Optional[torch.Tensor]:
-    """A group's `stacked_lora_a_t`, made once per step: the forward's shrink reads it (transposed)
-    and the backward's dX term takes it as it is, where each made its own cat before. None for one
-    projection, whose lora_a serves both as it is."""
-    return stacked_lora_a_t(loras) if len(loras) > 1 else None
+def shrink_stacking_lora_a(
+    x_2d: torch.Tensor, loras: Sequence[LoraWeights]
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(xa = x @ [A_1; ...].T, fp32 `[tokens, sum r]`; the As transposed side by side, `[in, sum r]`,
+    which backward's dX term takes as it is), made once per step: for a group both from one
+    `lora_shrink_stacking_weights` launch, which reads each lora_A where it is (no cat of the As on
+    the path to the forward's GEMM). One projection makes no stacked As: its lora_a serves as it is."""
+    if len(loras) == 1:
+        return lora_shrink(x_2d, loras[0].lora_a), None
+    return lora_shrink_stacking_weights(x_2d, [lora.lora_a for lora in loras])
 
 
 def _right_operand_of_dx_term(loras: Sequence[LoraWeights], lora_a_t: Optional[torch.Tensor]) -> torch.Tensor:
@@ -116,32 +121,32 @@ def shared_input_forward(
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
     out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
     of a larger output), or None for new ones.
-    lora_a_t: `group_lora_a_t(loras)`, which the caller keeps for backward, or None to make it here
-    (a group's; one projection has none unless `keep_lora_a_t`).
+    lora_a_t: the As transposed (`shrink_stacking_lora_a`'s), which the caller keeps for backward, or
+    None to make them here (a group's; one projection has none unless `keep_lora_a_t`).
     keep_lora_a_t: one projection's shrink also writes A.T out, for a caller whose backward makes dX:
     the shrink loads A.T tile by tile anyway, where dX's term would copy lora_a.T (one op more).
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
-    lora_a_t = group_lora_a_t(loras) if lora_a_t is None else lora_a_t
     x_shrunk = x_2d if x_lora_2d is None else x_lora_2d
-    if lora_a_t is None and keep_lora_a_t:
+    if lora_a_t is not None:
+        xa = lora_shrink(x_shrunk, lora_a_t.t())
+    elif len(loras) == 1 and keep_lora_a_t:
         xa, lora_a_t = lora_shrink_keeping_weight_t(x_shrunk, loras[0].lora_a)
     else:
-        xa = lora_shrink(x_shrunk, loras[0].lora_a if lora_a_t is None else lora_a_t.t())
+        xa, lora_a_t = shrink_stacking_lora_a(x_shrunk, loras)
+    lefts = rank_blocks(xa, loras, 1)
     weights = None  # every member's weight, where the grouped forward made them and then did not run
     if out is None and 1 < len(bases) <= MAX_MEMBERS:
-        grouped, weights = grouped_forward(x_compute, xa, bases, loras, plan, rank_slices(loras))
+        grouped, weights = grouped_forward(x_compute, lefts, bases, loras, plan)
         if grouped is not None:
             return grouped, xa, lora_a_t
     if weights is None and len(bases) > 1:
         weights = grouped_4bit_weights(bases, plan)
     outputs = []
-    for index, (base, lora, ranks) in enumerate(zip(bases, loras, rank_slices(loras))):
+    for index, (base, lora, left) in enumerate(zip(bases, loras, lefts)):
         weight, weights = _next_weight(base, plan, weights, index)
         bias = None if base.bias is None else base.bias.to(plan.compute_dtype)
         destination = None if out is None else out[index]
-        # One projection's term reads all of xa (no slice to make).
-        left = xa if len(loras) == 1 else xa[:, ranks]
         if destination is None and bias is None and LoraAddmmSettings.mode != "never":
             # The term inside the GEMM (`lora_addmm`, x @ W.T as a K-major b) where it pays off: one
             # launch and no second pass over the output. (The mode is read first, so "never" pays no
@@ -228,8 +233,8 @@ def hoisted_grad_xa(
     # Each shrink applies its own scale to its fp32 sum (no separate scaling pass per projection) and
     # writes its columns of one token-major buffer ([tokens, sum r], strides (1, tokens)), the layout
     # dA's lora_weight_grad wants (it copies any other): no cat of separate results.
-    grad_xa = lora_shrink_stacked(
-        grads_2d, [lora.lora_b.t() for lora in loras], [lora.scale for lora in loras]
+    grad_xa = lora_shrink_stacked_of_transposed(
+        grads_2d, [lora.lora_b for lora in loras], [lora.scale for lora in loras]
     )
     return grad_xa, 1.0
 
@@ -347,19 +352,17 @@ def shared_input_weight_grads(
     needs_a = any(need.lora_a for need in needs_loras)
     a_dtypes = {lora.lora_a.dtype for lora in loras}
     # The kernel rounds to the adapters' dtype itself when the group has one (no separate cast); the
-    # slices below are then views, and a mixed group casts each slice.
+    # blocks of dA below are then views, and a mixed group casts each block.
     a_dtype = next(iter(a_dtypes)) if len(a_dtypes) == 1 else None
     # (left, x, scale, k_major, out dtype) of each gradient: dA of the group first, then each dB_i,
     # made K-major so its transpose (lora_B's layout) is dense and autograd keeps it as it is.
     # (Plain tuples, laid out as WeightGradProblem: this runs in every backward.)
     problems = [(grad_xa, x_2d, lora_scale, False, a_dtype)] if needs_a else []
-    # A projection alone has all of xa's and dA's columns: no slicing views (a few us of host time).
-    slices = rank_slices(loras) if len(loras) > 1 else [None]
-    for lora, need, grad, ranks in zip(loras, needs_loras, grads_2d, slices):
+    unused = [None] * len(loras)
+    xa_blocks = rank_blocks(xa, loras, 1) if any(need.lora_b for need in needs_loras) else unused
+    for lora, need, grad, xa_block in zip(loras, needs_loras, grads_2d, xa_blocks):
         if need.lora_b:
-            problems.append(
-                (xa if ranks is None else xa[:, ranks], grad, lora.scale, True, lora.lora_b.dtype)
-            )
+            problems.append((xa_block, grad, lora.scale, True, lora.lora_b.dtype))
     problems += extra_weight_grads
     out_dtypes = {problem[4] for problem in problems}
     if len(problems) > 1 and len(out_dtypes) == 1 and None not in out_dtypes:
@@ -374,11 +377,12 @@ def shared_input_weight_grads(
     grad_a_all = weight_grads[0] if needs_a else None
     grad_bs = iter(weight_grads[1:] if needs_a else weight_grads)
     grad_loras = []
-    for lora, need, ranks in zip(loras, needs_loras, slices):
-        grad_a = None
+    grad_a_blocks = rank_blocks(grad_a_all, loras, 0) if needs_a else unused
+    for lora, need, grad_a in zip(loras, needs_loras, grad_a_blocks):
         if need.lora_a:
-            grad_a = grad_a_all if ranks is None else grad_a_all[ranks]
             grad_a = grad_a if grad_a.dtype == lora.lora_a.dtype else grad_a.to(lora.lora_a.dtype)
+        else:
+            grad_a = None
         grad_b = next(grad_bs).t() if need.lora_b else None
         grad_loras.append(LoraWeights(grad_a, grad_b, lora.scale))
     return grad_loras, bias_grads(bases, needs_bases, grads_2d), extra

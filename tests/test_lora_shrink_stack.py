@@ -1,0 +1,146 @@
+"""`lora_shrink_stacking_weights` (`lora_shrink_stack`): a group's forward shrink read from each
+member's lora_A, which also writes the As transposed side by side for backward's dX term.
+
+The kernel against float64 under the interpreter (2 and 3 members, unequal ranks, ragged tiles, K
+split, two rank tiles, each dot mode) with the stacked transpose bit for bit; the op's fallback
+where the kernel cannot read the members as one weight; opcheck; its launch plan; and the q/k/v and
+gate/up forwards, which make no cat of the As any more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, OpCounter, rel_err
+from test_launch_plans import _planned_and_unplanned, recorded_launches  # noqa: F401
+
+from fastlora_peft.dtypes import plan_projection_dtypes
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
+from fastlora_peft.functions.shared_input import fused_lora_projections
+from fastlora_peft.kernels import lora_shrink_stack
+from fastlora_peft.kernels.lora_shrink_stack import (
+    _lora_shrink_stack_triton,
+    lora_shrink_stacking_weights,
+    lora_shrink_stacking_weights_op,
+    stacks_in_one_launch,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+needs_triton = pytest.mark.skipif(
+    not (TRITON_INTERPRET or torch.cuda.is_available()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TEST_BLOCK_M = 8 if DEVICE == "cpu" else 16  # a GPU's tl.dot wants at least 16 rows
+
+
+def _operands(m, k, ranks, x_dtype, weight_dtype, seed=0, device=DEVICE):
+    """x [m, k] and each member's lora_A [r_i, k] (contiguous, as PEFT makes it)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator).to(device, x_dtype)
+    weights = [(torch.randn(r, k, generator=generator) / k**0.5).to(device, weight_dtype) for r in ranks]
+    return x, weights
+
+
+def _truth(x, weights):
+    return x.double() @ torch.cat(weights).double().T
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [None, 3], ids=["by_rule", "split"])
+@pytest.mark.parametrize(
+    "x_dtype, weight_dtype", [(BF16, FP32), (BF16, BF16), (FP16, FP16), (FP16, FP32), (FP32, FP32)]
+)
+@pytest.mark.parametrize("ranks", [(3, 5, 4), (6, 2), (70, 50, 20)], ids=str)
+def test_kernel_matches_float64_and_stacks_the_transpose_exactly(ranks, x_dtype, weight_dtype, split):
+    """Short row blocks and 16-column steps: several row blocks, K steps and splits; ranks (70, 50, 20)
+    take two rank tiles, the second starting inside member 1's rows."""
+    x, weights = _operands(37, 70, ranks, x_dtype, weight_dtype)
+    tiles = dict(split=split, block_m=TEST_BLOCK_M, block_k=16)
+    xa, weight_t = _lora_shrink_stack_triton(x=x, weights=weights, **tiles)
+    assert xa.dtype == FP32 and xa.shape == (37, sum(ranks)) and xa.stride() == (1, 37)  # token-major
+    assert rel_err(xa, _truth(x, weights)) < 1e-5
+    assert weight_t.is_contiguous() and torch.equal(weight_t, torch.cat(weights).t())
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["dtypes", "transposed", "four", "one"],
+)
+def test_the_op_stacks_what_one_launch_cannot_read(change):
+    """Members of two dtypes (promoted, as `stacked_lora_a_t` does), a weight not row-contiguous, more
+    than three members, one member: the op makes the cat and the shrink, with the same contract."""
+    x, weights = _operands(9, 64, (3, 5, 4, 2), BF16, FP32)
+    weights = {
+        "dtypes": [weights[0], weights[1].to(BF16)],
+        "transposed": [w.t().contiguous().t() for w in weights[:3]],
+        "four": weights,
+        "one": weights[:1],
+    }[change]
+    assert not stacks_in_one_launch(x, weights)
+    xa, weight_t = lora_shrink_stacking_weights(x, weights)
+    assert rel_err(xa, _truth(x, weights)) < 1e-5 and xa.stride() == (1, 9)
+    assert weight_t.dtype == FP32 and weight_t.is_contiguous()
+    assert torch.equal(weight_t, torch.cat([w.to(FP32) for w in weights]).t())
+
+
+def test_what_one_launch_reads():
+    x, weights = _operands(9, 64, (3, 5, 4), BF16, FP32)
+    assert stacks_in_one_launch(x, weights) and stacks_in_one_launch(x, weights[:2])
+    assert not stacks_in_one_launch(x[:0], weights)  # no tokens
+    assert not stacks_in_one_launch(x, [weights[0], weights[1][:0]])  # a member of rank 0
+    assert not stacks_in_one_launch(x, [weights[0], torch.randn(5, 128)[:, :64]])  # other strides
+
+
+def test_float64_runs_the_reference_and_opcheck():
+    x, weights = _operands(9, 64, (3, 5), torch.float64, torch.float64, device="cpu")
+    xa, weight_t = lora_shrink_stacking_weights(x, weights)
+    assert xa.dtype == torch.float64 and torch.allclose(xa, _truth(x, weights))
+    torch.library.opcheck(lora_shrink_stacking_weights_op, (x, weights))
+    x, weights = _operands(9, 64, (3, 5, 4), BF16, FP32, device="cpu")
+    torch.library.opcheck(lora_shrink_stacking_weights_op, (x, weights))
+
+
+@pytest.mark.parametrize("members", [2, 3])
+def test_plan_launches_what_the_launcher_would(recorded_launches, members):  # noqa: F811
+    """Call 2 (other tensors, same metadata) launches from call 1's plan what the launcher would,
+    with each member's weight in its own slot (a group of two repeats its last)."""
+
+    def make_inputs(seed):
+        x, weights = _operands(33, 64, (3, 5, 4)[:members], BF16, FP32, seed=seed, device="cpu")
+        return dict(x=x, weights=weights)
+
+    launch = _planned_and_unplanned(recorded_launches, _lora_shrink_stack_triton, make_inputs)
+    assert launch[3] == 77 and launch[4] == 1234  # the current stream, the compiled function
+    assert len(lora_shrink_stack._STACK_PLANS.plans) == 1
+
+
+def _forward_ops(shapes, dtype, adapter_dtype):
+    """fused_lora_projections of a group with these (in, out) shapes and rank-4/5/6 adapters: the ops
+    it dispatched, and its outputs against float64."""
+    generator = torch.Generator().manual_seed(3)
+    bases, loras = [], []
+    for index, (features_in, features_out) in enumerate(shapes):
+        weight = torch.randn(features_out, features_in, generator=generator).to(dtype)
+        bases.append(FrozenBase(weight, None, None))
+        rank = 4 + index
+        lora_a = torch.randn(rank, features_in, generator=generator).to(adapter_dtype)
+        lora_b = torch.randn(features_out, rank, generator=generator).to(adapter_dtype)
+        loras.append(LoraWeights(lora_a, lora_b, 0.5 + index))
+    x = torch.randn(3, 7, shapes[0][0], generator=generator).to(dtype)
+    plan = plan_projection_dtypes(dtype, dtype, quantized=False, device_type="cpu")
+    with OpCounter() as ops:
+        outputs = fused_lora_projections(x, bases, loras, plan)
+    for out, base, lora in zip(outputs, bases, loras):
+        delta = lora.scale * lora.lora_b.double() @ lora.lora_a.double()
+        truth = x.reshape(21, -1).double() @ (base.weight.double() + delta).T
+        assert rel_err(out.reshape(21, -1), truth) < 1e-2
+    return dict(ops.ops)
+
+
+@pytest.mark.parametrize("layout_id", ["bf16", "fp32-adapters-on-bf16", "fp32-adapters-on-fp16"])
+def test_a_group_forward_shrinks_without_a_cat(layout_id):
+    """q/k/v's forward: one `lora_shrink_stacking_weights`, no cat and no `lora_shrink`."""
+    dtype, adapter_dtype, _ = FUNCTION_LAYOUTS[layout_id]
+    ops = _forward_ops([(64, 64), (64, 32), (64, 32)], dtype, adapter_dtype)
+    assert ops.get("fastlora.lora_shrink_stacking_weights") == 1, ops
+    assert "cat" not in ops and "fastlora.lora_shrink" not in ops, ops
