@@ -53,7 +53,8 @@ def _truth(x, weights):
 @pytest.mark.parametrize("ranks", [(3, 5, 4), (6, 2), (70, 50, 20)], ids=str)
 def test_kernel_matches_float64_and_stacks_the_transpose_exactly(ranks, x_dtype, weight_dtype, split):
     """Short row blocks and 16-column steps: several row blocks, K steps and splits; ranks (70, 50, 20)
-    take two rank tiles, the second starting inside member 1's rows."""
+    (the launcher's own call: the op keeps it to one tile) take two rank tiles, the second starting
+    inside member 1's rows."""
     x, weights = _operands(37, 70, ranks, x_dtype, weight_dtype)
     tiles = dict(split=split, block_m=TEST_BLOCK_M, block_k=16)
     xa, weight_t = _lora_shrink_stack_triton(x=x, weights=weights, **tiles)
@@ -89,6 +90,9 @@ def test_what_one_launch_reads():
     assert not stacks_in_one_launch(x[:0], weights)  # no tokens
     assert not stacks_in_one_launch(x, [weights[0], weights[1][:0]])  # a member of rank 0
     assert not stacks_in_one_launch(x, [weights[0], torch.randn(5, 128)[:, :64]])  # other strides
+    # Past one rank tile (two passes over x) the cat and one shrink were faster.
+    x, weights = _operands(9, 64, (64, 64), BF16, FP32)
+    assert stacks_in_one_launch(x, weights) and not stacks_in_one_launch(x, [*weights, weights[0][:1]])
 
 
 def test_float64_runs_the_reference_and_opcheck():

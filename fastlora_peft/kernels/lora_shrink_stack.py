@@ -101,16 +101,27 @@ def _lora_shrink_stack_kernel(
         tl.store(WeightT_ptr + rows[:, None] * R + offs_r[None, :], tile, mask=tile_mask)
 
 
+# The most ranks the kernel takes: one rank tile, so x is read once. Over more (two tiles), with fp32
+# adapters it was slower than the cat and `lora_shrink`: q/k/v at rank 64 each (192), kernel time
+# with L2 flushed, 103.4 against 97.6 us at 2048 tokens, 356.9 against 319.0 at 8192 (bf16 adapters
+# about even); at rank 16 (48) it was 2-3 us faster in every case, with fp32 or bf16 adapters, for
+# q/k/v and gate/up (`docs/benchmarks/session39/b/stack_probe.log`).
+MAX_RANKS = 128
+
+
 def stacks_in_one_launch(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """Whether the kernel reads the members as one weight: 2 to MAX_MEMBERS of them, one dtype and one
-    set of strides, each row contiguous (lora_A as PEFT makes it), and every dimension non-empty."""
+    set of strides, each row contiguous (lora_A as PEFT makes it), at most MAX_RANKS ranks in all,
+    and every dimension non-empty."""
     if not 1 < len(weights) <= MAX_MEMBERS or x.shape[0] == 0 or x.shape[1] == 0:
         return False
     first = weights[0]
+    ranks = 0
     for weight in weights:
         if weight.dtype != first.dtype or weight.stride() != first.stride() or weight.shape[0] == 0:
             return False
-    return first.stride(1) == 1
+        ranks += weight.shape[0]
+    return first.stride(1) == 1 and ranks <= MAX_RANKS
 
 
 class _StackPlan(NamedTuple):
