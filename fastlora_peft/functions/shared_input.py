@@ -74,10 +74,11 @@ def rank_blocks(stacked: torch.Tensor, loras: Sequence[LoraWeights], dim: int) -
 
 
 def stacked_lora_a_t(loras: Sequence[LoraWeights]) -> torch.Tensor:
-    """Every A of the group transposed, side by side ([in, sum r]) with the rank dim contiguous: the
-    forward's shrink reads it transposed (one pass over x for all of x @ A_i.T), and it is the layout
-    the expand-add kernel wants its right operand in. For a group one cat of the transposed views
-    makes it, where the cat and then the launcher's contiguous copy would be two ops."""
+    """Every A transposed, side by side ([in, sum r]) with the rank dim contiguous: the layout the dX
+    term's kernels want their right operand in, made here for a backward whose forward kept none (a
+    group's forward writes it in its shrink's launch, `shrink_stacking_lora_a`). For a group one cat
+    of the transposed views makes it, where the cat and then the launcher's contiguous copy would be
+    two ops."""
     if len(loras) == 1:
         return loras[0].lora_a.t()  # the launcher copies it
     dtypes = [lora.lora_a.dtype for lora in loras]
