@@ -158,23 +158,10 @@ def lora_addmm_group_where_it_pays_off(
     scale: Sequence[float],
     out_dtype: torch.dtype,
 ) -> Optional[list[torch.Tensor]]:
-    """`lora_addmm_group(a, b, left, right, scale)` where `lora_addmm_group_pays_off`, else None.
-
-    An eager call that launch plans serve looks its plan up first, and a hit needs no fit check: a
-    plan is made only by the TMA launch, which only inputs that fit reach, and its key holds all that
-    `group_fits_tma` reads (as lora_terms' `_PLANS_SKIP_CHECKS`). The check and the key each cost
-    about 5 us on the CPU machine; a fused q/k/v forward made both.
-    """
-    if not lora_addmm_group_may_take(a, out_dtype):
-        return None
-    if _GROUP_PLANS.serve(a) and skips_op_dispatch(a, *b, *left, *right):
-        weights = [b_i.t() for b_i in b]
-        plan = _GROUP_PLANS.get(_group_plan_key(a, weights, left, right))
-        if plan is not None:
-            return _run_group_plan(plan, a, weights, left, right, scale)
-    if not lora_addmm_group_pays_off(a, b, left, out_dtype):  # a miss: the whole rule, fit included
-        return None
-    return lora_addmm_group(a, b, left, right, scale)
+    """`lora_addmm_group(a, b, left, right, scale)` where `lora_addmm_group_pays_off`, else None
+    (`lora_addmm_group_of_weights_where_it_pays_off` with each b_i's transpose)."""
+    weights = [b_i.t() for b_i in b]
+    return lora_addmm_group_of_weights_where_it_pays_off(a, weights, left, right, scale, out_dtype)
 
 
 def lora_addmm_group_of_weights_where_it_pays_off(
@@ -185,17 +172,27 @@ def lora_addmm_group_of_weights_where_it_pays_off(
     scale: Sequence[float],
     out_dtype: torch.dtype,
 ) -> Optional[list[torch.Tensor]]:
-    """`lora_addmm_group_where_it_pays_off` given each member's weight (`[N_i, K]`, b_i's transpose)
-    instead of b_i: a plan's hit launches the weights as they are. The kernel reads each weight through
-    a descriptor of that layout, so a caller holding weights made their transposes for b and the launch
-    transposed them back: six view ops a q/k/v forward, about 1.5 us each on the H200 machine's host."""
+    """`lora_addmm_group(a, b, left, right, scale)` with b_i each member's weight transposed (`weights`
+    `[N_i, K]`, as a caller holds them), where `lora_addmm_group_pays_off`, else None.
+
+    An eager call that launch plans serve looks its plan up first, and a hit needs no fit check: a
+    plan is made only by the TMA launch, which only inputs that fit reach, and its key holds all that
+    `group_fits_tma` reads (as lora_terms' `_PLANS_SKIP_CHECKS`). The check and the key each cost
+    about 5 us on the CPU machine; a fused q/k/v forward made both. A hit launches the weights as they
+    are (the kernel reads each through a descriptor of that layout): a caller that made their
+    transposes for b, and a launch that transposed them back, made six view ops a q/k/v forward, about
+    1.5 us each on the H200 machine's host.
+    """
     if not lora_addmm_group_may_take(a, out_dtype):
         return None
     if _GROUP_PLANS.serve(a) and skips_op_dispatch(a, *weights, *left, *right):
         plan = _GROUP_PLANS.get(_group_plan_key(a, weights, left, right))
         if plan is not None:
             return _run_group_plan(plan, a, weights, left, right, scale)
-    return lora_addmm_group_where_it_pays_off(a, [w.t() for w in weights], left, right, scale, out_dtype)
+    b = [weight.t() for weight in weights]
+    if not lora_addmm_group_pays_off(a, b, left, out_dtype):  # a miss: the whole rule, fit included
+        return None
+    return lora_addmm_group(a, b, left, right, scale)
 
 
 def _lora_addmm_group_tma_triton(
