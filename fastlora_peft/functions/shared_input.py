@@ -66,8 +66,8 @@ def rank_blocks(stacked: torch.Tensor, loras: Sequence[LoraWeights], dim: int) -
     """Each projection's block of a tensor stacked along `dim` by rank (`xa`'s columns, dA's rows):
     views from one `split_with_sizes` call, where a slicing view per projection was one op each (on
     the H200 machine's host `xa[:, 0:16]` took 4.3 us, `docs/benchmarks/session39/a/op_costs.log`;
-    on the CPU machine three slices took 3.9 us and the split 1.6). One projection's block is the
-    tensor itself."""
+    on the CPU machine three slices took 4.2 us and the split 1.7, `session39/cpu/`). One
+    projection's block is the tensor itself."""
     if len(loras) == 1:
         return (stacked,)
     return stacked.split_with_sizes([lora.lora_a.shape[0] for lora in loras], dim)
