@@ -195,6 +195,11 @@ def test_cache_hits_call_the_c_launcher_directly_unless_a_launch_hook_is_registe
     monkeypatch.setitem(cached.direct, key, spy)
     torch.testing.assert_close(lora_terms.lora_shrink(x, weight), expected, rtol=1e-5, atol=1e-3)
     assert len(calls) == 1
+    # The pointer parameters reach the C launch as addresses, not tensors (see `_DirectLaunch.pointers`).
+    params = calls[0][13:]
+    assert direct.pointers and all(type(params[position]) is int for position in direct.pointers)
+    assert not any(isinstance(param, torch.Tensor) for param in params)
+    assert {x.data_ptr(), weight.data_ptr()} <= {params[position] for position in direct.pointers}
     seen = []
     hook = lambda metadata: seen.append(metadata)  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
@@ -295,6 +300,52 @@ def test_bound_launch_of_tma_descriptors(monkeypatch):
         assert grid == (4, 1, 1) and type(args[0]) is TensorDescriptor and args[0].base is x
         assert list(args[0].block_shape) == [16, 32] and args[1] == 5 and args[2].base is y
     assert len(direct_calls) == 1
+
+
+def test_pointer_positions_are_the_signatures_pointer_parameters():
+    from fastlora_peft.kernels._launch import pointer_positions
+
+    signature = {
+        "x": "*bf16", "n": "i32", "none": "constexpr", "desc": "tensordesc<bf16[16, 32]>", "scale": "fp32",
+        "pair": ("*fp32", "i32"), "out": "*fp32", "BLOCK": "constexpr",
+    }  # fmt: skip
+    assert pointer_positions(signature) == (0, 6)
+    assert pointer_positions({}) == ()
+
+
+def test_bound_launch_passes_pointer_parameters_as_addresses(monkeypatch):
+    """A direct launch hands the C launch each pointer parameter's address (no `data_ptr` call and
+    no driver query there), a descriptor parameter still through its encoder; Triton's wrapper (a
+    hook registered) still gets the tensors."""
+    from triton import knobs
+
+    from fastlora_peft.kernels import _launch
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    direct_calls, wrapper_calls = [], []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: wrapper_calls.append(args)
+
+    encoders = (lambda arg: ("enc", *arg.shape),)
+    direct = _launch._DirectLaunch(
+        lambda *args: direct_calls.append(args), 1, False, False, "meta", encoders, pointers=(0, 3)
+    )
+    bound = _launch.BoundLaunch("k", Compiled(), direct, (4,), ("CONST",), 0, ((1, (8, 32)),))
+    x, y, out = torch.zeros(16, 32), torch.zeros(8, 32), torch.nn.Parameter(torch.zeros(3))
+    args = (x, y, 5, out, None, 2.0)
+    bound(*args)
+    assert direct_calls[0][13:] == (x.data_ptr(), "enc", 8, 32, 5, out.data_ptr(), None, 2.0, "CONST")
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        bound(*args)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    ((got_x, got_y, *rest),) = wrapper_calls
+    assert got_x is x and got_y.base is y and rest == [5, out, None, 2.0, "CONST"]
+    assert rest[1] is out and len(direct_calls) == 1
 
 
 def test_c_launch_found_inside_tritons_descriptor_wrapper():

@@ -101,6 +101,10 @@ class _DirectLaunch(NamedTuple):
     packed_metadata: Any
     # One per TMA descriptor parameter, in order: what the C launch takes for it (`TmaEncoder`).
     encoders: tuple = ()
+    # Positions of the pointer parameters, whose tensors the launch passes as their addresses (ints):
+    # given a tensor, the C launch calls its `data_ptr` and then the driver's `cuPointerGetAttribute`
+    # for each one; given an int, it takes the address as it is.
+    pointers: tuple[int, ...] = ()
 
 
 class TmaEncoder:
@@ -184,6 +188,18 @@ def _direct_launch(compiled) -> Optional[_DirectLaunch]:
         launcher.launch_pdl,
         compiled.packed_metadata,
         encoders,
+        pointer_positions(compiled.src.signature),
+    )
+
+
+def pointer_positions(signature: dict[str, Any]) -> tuple[int, ...]:
+    """The positions of a compiled kernel's pointer parameters in its signature (parameter name ->
+    Triton type, in order: "*bf16" a pointer, "i32" an int, "constexpr" a constant or None, a TMA
+    descriptor's "tensordesc<...>", a tuple's a tuple)."""
+    return tuple(
+        position
+        for position, kind in enumerate(signature.values())
+        if isinstance(kind, str) and kind.startswith("*")
     )
 
 
@@ -314,6 +330,12 @@ class BoundLaunch:
                 args = self._with_descriptor_objects(args)
             self.compiled[self.grid](*args, *self.constexprs)
             return
+        pointers = direct.pointers
+        if pointers:
+            # Each tensor's address taken here: the C launch would also ask the driver about it.
+            args = list(args)
+            for position in pointers:
+                args[position] = args[position].data_ptr()
         if self.descriptors:
             args = self._with_encoded_descriptors(args, direct.encoders)
         grid_x, grid_y, grid_z = self.grid
