@@ -32,15 +32,18 @@ from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _programs_per_sm, _rank_block
-from fastlora_peft.kernels.dots import activation_dot, dot_precision
+from fastlora_peft.kernels.dots import dot_precision
 from fastlora_peft.kernels.lora_terms import (
     _check_shrink,
     _shrink_config,
+    _shrink_loop,
+    _store_shrink,
+    _store_weight_t,
     lora_shrink,
     shrink_shared_bytes,
     shrink_splits,
 )
-from fastlora_peft.kernels.split_sum import split_scratch, split_total
+from fastlora_peft.kernels.split_sum import split_scratch
 
 MAX_MEMBERS = 3
 
@@ -76,29 +79,18 @@ def _lora_shrink_stack_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     w_ptrs = w_rows[None, :] + (k_start + offs_k)[:, None] * stride_wk  # W^T tile
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = offs_k + k0 < k_end
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc = activation_dot(x, w, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    offsets = offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or
-    mask = mask_m[:, None] & mask_r[None, :]
-    if SPLIT:
-        counter_ptr = Counter_ptr + pid_m * tl.num_programs(1) + pid_r
-        is_last, total = split_total(acc, Partial_ptr, offsets, mask, pid_s, n_splits, M * R, counter_ptr)
-        if is_last:
-            tl.store(Out_ptr + offsets, total, mask=mask)
-    else:
-        tl.store(Out_ptr + offsets, acc, mask=mask)
-    # W^T: the row blocks take turns over the split's K steps (as `_store_weight_t`).
-    for k0 in range(k_start + pid_m * BLOCK_K, k_end, tl.num_programs(0) * BLOCK_K):
-        rows = k0 + offs_k
-        tile_mask = (rows < k_end)[:, None] & mask_r[None, :]
-        tile = tl.load(w_rows[None, :] + rows[:, None] * stride_wk, mask=tile_mask)
-        tl.store(WeightT_ptr + rows[:, None] * R + offs_r[None, :], tile, mask=tile_mask)
+    acc = _shrink_loop(
+        x_ptrs, w_ptrs, k_start, k_end, mask_m, mask_r, stride_xk, stride_wk,
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE,
+    )  # fmt: skip
+    _store_shrink(
+        acc, 1.0, Out_ptr, Partial_ptr, Counter_ptr, offs_m, offs_r, mask_m, mask_r, pid_m, pid_r, pid_s,
+        n_splits, M, R, stride_om, stride_or, SPLIT=SPLIT,
+    )  # fmt: skip
+    # W^T: the row blocks take turns over the split's K steps (as in `_lora_shrink_kernel`).
+    k_first = k_start + pid_m * BLOCK_K
+    k_step = tl.num_programs(0) * BLOCK_K
+    _store_weight_t(w_rows, WeightT_ptr, k_first, k_end, k_step, R, offs_r, mask_r, stride_wk, BLOCK_K)
 
 
 # The most ranks the kernel takes: one rank tile, so x is read once. Over more (two tiles), with fp32
