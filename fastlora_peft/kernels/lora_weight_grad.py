@@ -32,6 +32,56 @@ from fastlora_peft.kernels.split_sum import split_scratch, split_total
 # ---------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _weight_grad_loop(
+    X_ptr, Left_ptr, offs_m, offs_k, offs_r, mask_k, mask_r, m_start, m_end,
+    stride_xm, stride_xk, stride_lm, stride_lr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+):  # fmt: skip
+    """The fp32 [BLOCK_K, BLOCK_R] tile of Out^T = X^T @ Left over the token rows [m_start, m_end), in
+    steps of BLOCK_M rows (`offs_m`: 0 to BLOCK_M - 1):
+    the loop of a weight-gradient program (`_lora_weight_grad_kernel`, `lora_weight_grad_group`'s)."""
+    # Computed as its transpose, Out^T[K, R] = X^T @ Left, so the activation is tl.dot's first operand,
+    # which may come from registers in any layout; a 32-bit second operand wants its reduction (token)
+    # dim contiguous, which the launcher arranges for Left. On an H200 (M=8192, K=4096, rank 64) this
+    # takes 91us against 189us for Left^T @ X with X, token-strided, as the second operand.
+    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + offs_m
+        mask_m = rows < m_end
+        rows = rows.to(tl.int64)
+        # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
+        x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
+        # Left is always fp32 (a shrink's output): the split dot for a bf16 X, else the fp32 one.
+        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        acc = activation_dot(x_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_weight_grad(
+    acc, scale, Out_ptr, Partial_ptr, Counter_ptr, offs_k, offs_r, mask_k, mask_r, pid_k, pid_r, pid_s,
+    n_splits, R, K, k_before, stride_ok, stride_or, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Out's [R, K] tile (its transpose in `acc`) = scale * the program's sum in Out's dtype; with
+    SPLIT the splits' sums met in `split_total`: fp32 partials from n_splits * R * k_before past
+    Partial_ptr (a group's earlier problems' before them), split stride R * K, one counter per
+    (column tile, rank tile)."""
+    offsets = offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
+    mask = mask_k[:, None] & mask_r[None, :]
+    if SPLIT:
+        partials = Partial_ptr + n_splits * R * k_before
+        counter_ptr = Counter_ptr + pid_k * tl.num_programs(2) + pid_r
+        is_last, total = split_total(acc, partials, offsets, mask, pid_s, n_splits, R * K, counter_ptr)
+        if is_last:
+            tl.store(Out_ptr + offsets, (scale * total).to(Out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Out_ptr + offsets, (scale * acc).to(Out_ptr.dtype.element_ty), mask=mask)
+
+
 @CachedKernel
 @triton.jit
 def _lora_weight_grad_kernel(
@@ -47,10 +97,6 @@ def _lora_weight_grad_kernel(
     ...). With SPLIT (n_splits > 1), the splits meet in `split_total` through fp32 partials laid out
     like Out ([n_splits, ...], split stride R * K) and one counter per tile.
     """
-    # Computed as its transpose, Out^T[K, R] = X^T @ Left, so the activation is tl.dot's first operand,
-    # which may come from registers in any layout; a 32-bit second operand wants its reduction (token)
-    # dim contiguous, which the launcher arranges for Left. On an H200 (M=8192, K=4096, rank 64) this
-    # takes 91us against 189us for Left^T @ X with X, token-strided, as the second operand.
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -61,27 +107,15 @@ def _lora_weight_grad_kernel(
     mask_k = offs_k < K
     m_start = pid_s * rows_per_split
     m_end = tl.minimum(m_start + rows_per_split, M)
-    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
-    for m0 in range(m_start, m_end, BLOCK_M):
-        rows = m0 + offs_m
-        mask_m = rows < m_end
-        rows = rows.to(tl.int64)
-        # X^T tile [BLOCK_K, BLOCK_M], loaded through transposed pointers.
-        x_t_ptrs = X_ptr + offs_k[:, None] * stride_xk + rows[None, :] * stride_xm
-        # Left is always fp32 (a shrink's output): the split dot for a bf16 X, else the fp32 one.
-        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-        left_ptrs = Left_ptr + rows[:, None] * stride_lm + offs_r[None, :] * stride_lr
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        acc = activation_dot(x_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
-    offsets = offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
-    mask = mask_k[:, None] & mask_r[None, :]
-    if SPLIT:
-        counter_ptr = Counter_ptr + pid_k * tl.num_programs(2) + pid_r
-        is_last, total = split_total(acc, Partial_ptr, offsets, mask, pid_s, n_splits, R * K, counter_ptr)
-        if is_last:
-            tl.store(Out_ptr + offsets, (scale * total).to(Out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(Out_ptr + offsets, (scale * acc).to(Out_ptr.dtype.element_ty), mask=mask)
+    acc = _weight_grad_loop(
+        X_ptr, Left_ptr, offs_m, offs_k, offs_r, mask_k, mask_r, m_start, m_end,
+        stride_xm, stride_xk, stride_lm, stride_lr,
+        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE,
+    )  # fmt: skip
+    _store_weight_grad(
+        acc, scale, Out_ptr, Partial_ptr, Counter_ptr, offs_k, offs_r, mask_k, mask_r, pid_k, pid_r, pid_s,
+        n_splits, R, K, 0, stride_ok, stride_or, SPLIT=SPLIT,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -34,17 +34,19 @@ from fastlora_peft.kernels._lora_common import (
     _rank_block,
     one_wave_splits,
 )
-from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
+from fastlora_peft.kernels.dots import dot_mode, dot_precision
 from fastlora_peft.kernels.lora_weight_grad import (
     _MIN_ROWS_PER_SPLIT,
     _WEIGHT_GRAD_PLANS,
     _check_weight_grad,
     _lora_weight_grad_triton,
     _run_weight_grad_plan,
+    _store_weight_grad,
+    _weight_grad_loop,
     _weight_grad_plan_key,
     weight_grad_block_m,
 )
-from fastlora_peft.kernels.split_sum import split_scratch, split_total
+from fastlora_peft.kernels.split_sum import split_scratch
 
 # The most gradients one launch takes (a call may hand over more: `launch_groups` splits them). The
 # fused Functions ask for at most four in a call: q/k/v's dA and three dB, the MLP's gate/up dA and
@@ -123,27 +125,15 @@ def _lora_weight_grad_group_kernel(
     mask_k = offs_k < K
     m_start = pid_s * rows_per_split
     m_end = tl.minimum(m_start + rows_per_split, M)
-    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
-    for m0 in range(m_start, m_end, BLOCK_M):
-        rows = m0 + offs_m
-        mask_m = rows < m_end
-        rows = rows.to(tl.int64)
-        # Out^T = X^T @ Left with the activation as tl.dot's first operand (see lora_weight_grad).
-        x_t_ptrs = X_ptr + offs_k[:, None] + rows[None, :] * stride_xm
-        x_t = tl.load(x_t_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-        left_ptrs = Left_ptr + rows[:, None] + offs_r[None, :] * stride_lr
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        acc = activation_dot(x_t, left, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
-    offsets = offs_k[:, None] * stride_ok + offs_r[None, :] * stride_or
-    mask = mask_k[:, None] & mask_r[None, :]
-    if SPLIT:
-        partials = Partial_ptr + n_splits * R * k_before
-        counter_ptr = Counter_ptr + pid_k * tl.num_programs(2) + pid_r
-        is_last, total = split_total(acc, partials, offsets, mask, pid_s, n_splits, R * K, counter_ptr)
-        if is_last:
-            tl.store(Out_ptr + offsets, (scale * total).to(Out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(Out_ptr + offsets, (scale * acc).to(Out_ptr.dtype.element_ty), mask=mask)
+    # X with unit column stride and Left token-major (unit token stride), as `launch_groups` groups them.
+    acc = _weight_grad_loop(
+        X_ptr, Left_ptr, offs_m, offs_k, offs_r, mask_k, mask_r, m_start, m_end, stride_xm, 1, 1, stride_lr,
+        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE,
+    )  # fmt: skip
+    _store_weight_grad(
+        acc, scale, Out_ptr, Partial_ptr, Counter_ptr, offs_k, offs_r, mask_k, mask_r, pid_k, pid_r, pid_s,
+        n_splits, R, K, k_before, stride_ok, stride_or, SPLIT=SPLIT,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
