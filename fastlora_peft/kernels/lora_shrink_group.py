@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, cdiv
-from fastlora_peft.kernels.dots import activation_dot
+from fastlora_peft.kernels.shrink_tiles import shrink_loop
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
 
 MAX_MEMBERS = 3  # q/k/v
@@ -76,14 +76,10 @@ def _lora_shrink_group_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = W_ptr + (k_start + offs_k)[:, None] * stride_wk + offs_r[None, :] * stride_wr  # W^T tile
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = offs_k + k0 < k_end
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc = activation_dot(x, w, acc, DOT_MODE=DOT_MODE, DOT_PRECISION=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    acc = shrink_loop(
+        x_ptrs, w_ptrs, k_start, k_end, mask_m, mask_r, 1, stride_wk,
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE,
+    )  # fmt: skip
     # Member i's columns of the stacked output start at i * R.
     offsets = offs_m.to(tl.int64)[:, None] * stride_om + (member * R + offs_r)[None, :] * stride_or
     mask = mask_m[:, None] & mask_r[None, :]

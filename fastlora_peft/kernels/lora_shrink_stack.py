@@ -36,13 +36,11 @@ from fastlora_peft.kernels.dots import dot_precision
 from fastlora_peft.kernels.lora_terms import (
     _check_shrink,
     _shrink_config,
-    _shrink_loop,
-    _store_shrink,
-    _store_weight_t,
     lora_shrink,
     shrink_shared_bytes,
     shrink_splits,
 )
+from fastlora_peft.kernels.shrink_tiles import shrink_loop, store_shrink, store_weight_t
 from fastlora_peft.kernels.split_sum import split_scratch
 
 MAX_MEMBERS = 3
@@ -79,18 +77,18 @@ def _lora_shrink_stack_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = X_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     w_ptrs = w_rows[None, :] + (k_start + offs_k)[:, None] * stride_wk  # W^T tile
-    acc = _shrink_loop(
+    acc = shrink_loop(
         x_ptrs, w_ptrs, k_start, k_end, mask_m, mask_r, stride_xk, stride_wk,
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION, DOT_MODE=DOT_MODE,
     )  # fmt: skip
-    _store_shrink(
+    store_shrink(
         acc, 1.0, Out_ptr, Partial_ptr, Counter_ptr, offs_m, offs_r, mask_m, mask_r, pid_m, pid_r, pid_s,
         n_splits, M, R, stride_om, stride_or, SPLIT=SPLIT,
     )  # fmt: skip
     # W^T: the row blocks take turns over the split's K steps (as in `_lora_shrink_kernel`).
     k_first = k_start + pid_m * BLOCK_K
     k_step = tl.num_programs(0) * BLOCK_K
-    _store_weight_t(w_rows, WeightT_ptr, k_first, k_end, k_step, R, offs_r, mask_r, stride_wk, BLOCK_K)
+    store_weight_t(w_rows, WeightT_ptr, k_first, k_end, k_step, R, offs_r, mask_r, stride_wk, BLOCK_K)
 
 
 # The most ranks the kernel takes: one rank tile, so x is read once. Over more (two tiles), with fp32
