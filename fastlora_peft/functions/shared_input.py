@@ -115,7 +115,6 @@ def shared_input_forward(
     plan: DtypePlan,
     x_lora_2d: Optional[torch.Tensor] = None,
     out: Optional[Sequence[torch.Tensor]] = None,
-    lora_a_t: Optional[torch.Tensor] = None,
     keep_lora_a_t: bool = False,
 ) -> tuple[list[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """Outputs `[tokens, out_i]` of `plan.out_dtype`, `xa` (fp32 `[tokens, sum r]`) for backward, and
@@ -124,16 +123,14 @@ def shared_input_forward(
     x_lora_2d: what the LoRA terms read instead of x (x after lora_dropout), or None for x itself.
     out: contiguous `[tokens, out_i]` tensors of `plan.out_dtype` to write the outputs into (e.g. rows
     of a larger output), or None for new ones.
-    lora_a_t: the As transposed (`shrink_stacking_lora_a`'s), which the caller keeps for backward, or
-    None to make them here (a group's; one projection has none unless `keep_lora_a_t`).
+    The As transposed come from a group's shrink (`shrink_stacking_lora_a`); one projection makes
+    none unless `keep_lora_a_t`.
     keep_lora_a_t: one projection's shrink also writes A.T out, for a caller whose backward makes dX:
     the shrink loads A.T tile by tile anyway, where dX's term would copy lora_a.T (one op more).
     """
     x_compute = x_2d if x_2d.dtype == plan.compute_dtype else x_2d.to(plan.compute_dtype)
     x_shrunk = x_2d if x_lora_2d is None else x_lora_2d
-    if lora_a_t is not None:
-        xa = lora_shrink(x_shrunk, lora_a_t.t())
-    elif len(loras) == 1 and keep_lora_a_t:
+    if len(loras) == 1 and keep_lora_a_t:
         xa, lora_a_t = lora_shrink_keeping_weight_t(x_shrunk, loras[0].lora_a)
     else:
         xa, lora_a_t = shrink_stacking_lora_a(x_shrunk, loras)
