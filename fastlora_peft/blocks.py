@@ -38,8 +38,9 @@ def _group_blocker(
             return "members have different active adapters", []
         if member.fused_blocker(kwargs, active) is not None:
             return "a member cannot take the fused path", []
-        if any(member.dropout_active(name) for name in active):  # each member draws its own mask
-            return "lora_dropout while training (members run one by one)", []
+        for name in active:  # (a loop, not `any` over a generator: this runs per member per call)
+            if member.dropout_active(name):  # each member draws its own mask
+                return "lora_dropout while training (members run one by one)", []
     if x.shape[-1] != members[0].in_features or not x.is_floating_point():
         return "unexpected input", []
     return None, shared

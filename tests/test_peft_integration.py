@@ -399,6 +399,34 @@ def test_get_base_layer_finds_what_peft_finds():
     assert layer.get_base_layer() is BaseTunerLayer.get_base_layer(layer) is inner
 
 
+def test_get_base_layer_follows_a_replaced_or_wrapped_base_layer():
+    """`get_base_layer` remembers a one-level chain (a group asks each member three times a call), and
+    answers anew once the chain changes: the base layer replaced, or wrapped in place (a submodule
+    `base_layer` registered on it). A stale answer would run the fused path on the old weight."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    fast, _ = fast_and_peft()
+    layer = next(module for module in fast.modules() if isinstance(module, FastLoraLinear))
+    first = layer.get_base_layer()
+    assert layer.get_base_layer() is first  # the remembered answer
+    replacement = nn.Linear(first.in_features, first.out_features, bias=first.bias is not None)
+    layer.base_layer = replacement
+    assert layer.get_base_layer() is replacement is BaseTunerLayer.get_base_layer(layer)
+    inner = nn.Linear(first.in_features, first.out_features)
+    replacement.base_layer = inner  # the base layer now wraps another, as a nested tuner's does
+    assert layer.get_base_layer() is inner is BaseTunerLayer.get_base_layer(layer)
+    del replacement.base_layer
+    assert layer.get_base_layer() is replacement
+
+    class PropertyWrapper(nn.Linear):  # names what it wraps through a class property, not a submodule
+        @property
+        def base_layer(self):
+            return inner
+
+    layer.base_layer = PropertyWrapper(3, 3)
+    assert layer.get_base_layer() is inner is BaseTunerLayer.get_base_layer(layer)
+
+
 def test_module_attribute_is_getattr():
     """`module_attribute` (the layers' hot-path getattr) answers as `getattr` does: a class property
     before the instance's value, parameters (a None bias too), buffers, submodules, a default, and

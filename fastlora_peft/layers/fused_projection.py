@@ -113,9 +113,19 @@ class FusedProjectionMixin:
         machine's host, and a fused forward (a group: each member) asks for the base layer several
         times. `module_attribute` finds what `getattr` would, without raising.
         """
+        child = self._modules.get("base_layer")
+        known = self.__dict__.get("fastlora_base_layer")
+        if known is not None and known is child and "base_layer" not in child._modules:
+            return child
         layer = self
-        while (child := module_attribute(layer, "base_layer", _ABSENT)) is not _ABSENT:
-            layer = child
+        while (next_layer := module_attribute(layer, "base_layer", _ABSENT)) is not _ABSENT:
+            layer = next_layer
+        if layer is child:
+            # A chain of one level (PEFT's own), remembered. The check above answers anew when the
+            # wrapped layer is replaced (by a module of any class: the walk runs for it) or wraps
+            # another in turn (PEFT registers `base_layer` as a submodule). A q/k/v group asks each
+            # member three times per call (checks, compute dtype, frozen base): 9 walks of 2 lookups.
+            self.__dict__["fastlora_base_layer"] = child
         return layer
 
     # -- the decision -------------------------------------------------------------------------
@@ -183,7 +193,7 @@ class FusedProjectionMixin:
         return out
 
     def dropout_active(self, adapter_name: str) -> bool:
-        dropout = self._modules["lora_dropout"][adapter_name]
+        dropout = self._modules["lora_dropout"]._modules[adapter_name]
         return isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training
 
     def dropped_input(self, adapter_name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -201,9 +211,9 @@ class FusedProjectionMixin:
         Function, so each adapter's gradient flows back through torch.cat and the scale."""
         if len(adapter_names) == 1:
             (name,) = adapter_names
-            modules = self._modules
-            lora_a = module_attribute(modules["lora_A"][name], "weight")
-            lora_b = module_attribute(modules["lora_B"][name], "weight")
+            modules = self._modules  # and each ModuleDict's own `_modules`: `ModuleDict[name]` is a call
+            lora_a = module_attribute(modules["lora_A"]._modules[name], "weight")
+            lora_b = module_attribute(modules["lora_B"]._modules[name], "weight")
             return LoraWeights(lora_a, lora_b, float(self.scaling[name]))
         lora_a = torch.cat([self.lora_A[name].weight for name in adapter_names], dim=0)
         lora_b = torch.cat([self.lora_B[name].weight * self.scaling[name] for name in adapter_names], dim=1)
