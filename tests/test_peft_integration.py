@@ -22,6 +22,7 @@ from conftest import (
     tiny_llama,
 )
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import Linear as PeftLoraLinear
 from peft.tuners.lora import LoraModel
 from safetensors.torch import load_file
 from torch import nn
@@ -410,8 +411,16 @@ def test_get_base_layer_follows_a_replaced_or_wrapped_base_layer():
     first = layer.get_base_layer()
     assert layer.get_base_layer() is first  # the remembered answer
     replacement = nn.Linear(first.in_features, first.out_features, bias=first.bias is not None)
+    replacement.requires_grad_(False)
     layer.base_layer = replacement
     assert layer.get_base_layer() is replacement is BaseTunerLayer.get_base_layer(layer)
+    # The fused path reads the new weight: its output is PEFT's own forward over the replacement.
+    x = torch.randn(2, 3, first.in_features, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FastLoraFallbackWarning)
+        fused = layer(x)
+    assert_fused(fused)
+    torch.testing.assert_close(fused, PeftLoraLinear.forward(layer, x), rtol=1e-5, atol=1e-5)
     inner = nn.Linear(first.in_features, first.out_features)
     replacement.base_layer = inner  # the base layer now wraps another, as a nested tuner's does
     assert layer.get_base_layer() is inner is BaseTunerLayer.get_base_layer(layer)
