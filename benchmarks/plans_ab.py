@@ -1,6 +1,6 @@
 """A library switch on and off in one process: each fused block's step, alternating, beside the floor.
 
-python -m benchmarks.plans_ab [--switch plans|augmented|addmm|sum|group|wgrad|shrink|dequant|gated]
+python -m benchmarks.plans_ab [--switch plans|traces|augmented|addmm|sum|group|wgrad|shrink|dequant|gated]
     [--tokens 8192] [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastlora_peft.call_traces import CallTraces
 from fastlora_peft.functions import augmented_k, gated_mlp, shared_input
 from fastlora_peft.kernels import lora_addmm
 from fastlora_peft.kernels._launch import LaunchPlans
@@ -120,8 +121,14 @@ def set_gated(enabled: bool) -> None:
     GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch = launch, few
 
 
+def set_traces(enabled: bool) -> None:
+    """Call traces (`fastlora_peft.call_traces`) on or off: a Function body's decisions, or its replay."""
+    CallTraces.enabled = enabled
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {
     "plans": set_plans,
+    "traces": set_traces,
     "augmented": set_augmented,
     "addmm": set_addmm,
     "sum": set_sum,

@@ -289,6 +289,16 @@ def tiny_llama_4bit(tmp_path_factory, layout: Layout, seed: int = 0) -> nn.Modul
 
 
 @pytest.fixture(autouse=True)
+def _fresh_call_traces():
+    """Each test starts with no call trace: a trace recorded by another test would replay that test's
+    decisions where this one patched a module function (`fastlora_peft.call_traces`)."""
+    from fastlora_peft.call_traces import clear_all_traces
+
+    clear_all_traces()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _fresh_runtime_fallback_warnings():
     """Run-time fallbacks warn once per reason per process; each test starts with none warned yet."""
     from fastlora_peft.layers import fused_projection

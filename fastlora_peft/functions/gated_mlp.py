@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..call_traces import VersionedSettings
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
@@ -251,7 +252,7 @@ def _down_backward_(
     return grad_a
 
 
-class GatedMlpSettings:
+class GatedMlpSettings(metaclass=VersionedSettings):
     """Knobs of the fused gated MLP, read by `fused_gated_mlp` at every call and handed to the Function
     (a plain class: torch.compile traces reads of its attributes, not of an autograd.Function's)."""
 

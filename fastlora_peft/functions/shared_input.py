@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..call_traces import call_traces
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.lora_addmm import LoraAddmmSettings, lora_addmm_auto_takes, lora_addmm_where_it_pays_off
 from ..kernels.lora_addmm_sum import MAX_MEMBERS
@@ -459,37 +460,62 @@ class LoraSharedInputFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, x_lora: Optional[torch.Tensor], plan: DtypePlan, layout, *tensors):
-        bases, loras = unflatten_tensors(layout, tensors)
-        x_lora_2d = None if x_lora is None else x_lora.reshape(-1, x.shape[-1])
         # dX's LoRA term (of x, or of x_lora) reads the As transposed: kept from the forward.
         needs_term_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        outputs, xa, lora_a_t = shared_input_forward(
-            x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d, keep_lora_a_t=needs_term_grad
-        )
+
+        def body():
+            bases, loras = unflatten_tensors(layout, tensors)
+            x_lora_2d = None if x_lora is None else x_lora.reshape(-1, x.shape[-1])
+            outputs, xa, lora_a_t = shared_input_forward(
+                x.reshape(-1, x.shape[-1]), bases, loras, plan, x_lora_2d, keep_lora_a_t=needs_term_grad
+            )
+            return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs), xa, lora_a_t
+
+        # Replayed without its decisions where the same metadata was seen before (`call_traces`).
+        inputs = (x, x_lora, *tensors)
+        key = _FORWARD_TRACES.key((plan, layout, needs_term_grad), inputs)
+        (outputs, xa, lora_a_t), ctx.trace_entry = _FORWARD_TRACES.call(key, inputs, body)
         ctx.plan, ctx.layout = plan, layout
         ctx.save_for_backward(x, x_lora, xa, lora_a_t, *tensors)
-        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs: Optional[torch.Tensor]):
-        x, x_lora, xa, lora_a_t, *tensors = ctx.saved_tensors
-        bases, loras = unflatten_tensors(ctx.layout, tensors)
-        needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
-        x_2d = x.reshape(-1, x.shape[-1])
-        grads_2d = [
-            None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs
-        ]
-        x_lora_2d = None if x_lora is None else x_lora.reshape(x_2d.shape)
-        with autocast_off(x.device.type):
+        saved = ctx.saved_tensors
+        needs_input_grad = ctx.needs_input_grad
+        plan, layout = ctx.plan, ctx.layout
+
+        def body():
+            x, x_lora, xa, lora_a_t, *tensors = saved
+            bases, loras = unflatten_tensors(layout, tensors)
+            needs_bases, needs_loras = unflatten_tensors(layout, needs_input_grad[_FIRST_TENSOR_ARG:])
+            x_2d = x.reshape(-1, x.shape[-1])
+            grads_2d = [
+                None if grad is None else grad.reshape(x_2d.shape[0], grad.shape[-1]) for grad in grad_outputs
+            ]
+            x_lora_2d = None if x_lora is None else x_lora.reshape(x_2d.shape)
             grads = shared_input_backward(
-                x_2d, xa, bases, loras, ctx.plan, grads_2d, ctx.needs_input_grad[0], needs_loras, needs_bases,
-                x_lora_2d, ctx.needs_input_grad[1], lora_a_t,
+                x_2d, xa, bases, loras, plan, grads_2d, needs_input_grad[0], needs_loras, needs_bases,
+                x_lora_2d, needs_input_grad[1], lora_a_t,
             )  # fmt: skip
-        grad_x = None if grads.grad_x is None else grads.grad_x.view(x.shape)
-        grad_x_lora = None if grads.grad_x_lora is None else grads.grad_x_lora.view(x.shape)
-        # One gradient per flattened tensor, in the same order as the inputs.
-        grad_tensors = values_in_tensor_slots(ctx.layout, (grads.bases, grads.loras))
-        return (grad_x, grad_x_lora, None, None, *grad_tensors)
+            grad_x = None if grads.grad_x is None else grads.grad_x.view(x.shape)
+            grad_x_lora = None if grads.grad_x_lora is None else grads.grad_x_lora.view(x.shape)
+            # One gradient per flattened tensor, in the same order as the inputs.
+            grad_tensors = values_in_tensor_slots(layout, (grads.bases, grads.loras))
+            return (grad_x, grad_x_lora, None, None, *grad_tensors)
+
+        # The saved tensors are the forward's inputs and what its trace (or body) made of them: its
+        # entry stands for their metadata. Without one (no trace served it) the body runs.
+        forward = ctx.trace_entry
+        parts = (forward, needs_input_grad, torch.is_grad_enabled())
+        key = None if forward is None else _BACKWARD_TRACES.key(parts, grad_outputs)
+        with autocast_off(saved[0].device.type):
+            return _BACKWARD_TRACES.call(key, (*saved, *grad_outputs), body)[0]
+
+
+# The Function's bodies by call metadata, replayed without their decisions (`call_traces`).
+_FORWARD_TRACES = call_traces("shared_input_forward")
+_BACKWARD_TRACES = call_traces("shared_input_backward")
 
 
 def fused_lora_projections(

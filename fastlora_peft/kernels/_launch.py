@@ -57,6 +57,7 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..call_traces import VersionedSettings, register_constant_type, trace_unit
 from ._backend import TRITON_INTERPRET
 
 # The hook chains' type where Triton has them (3.6), else a class no hook is an instance of.
@@ -246,6 +247,7 @@ class CachedKernel:
         """The cache key of a launch on CUDA device `device` (Triton compiles for the current one)."""
         return (device, tuple(meta.items()), *map(_argument_key, args))
 
+    @trace_unit
     def launch(
         self, grid: tuple[int, ...], args: Sequence[Any], meta: dict[str, Any]
     ) -> Optional["BoundLaunch"]:
@@ -323,6 +325,7 @@ class BoundLaunch:
         """A launch plan's launch (tests count these by `name`)."""
         self.launch(*args)
 
+    @trace_unit
     def launch(self, *args: Any) -> None:
         direct = self.direct
         if direct is None or _launch_hooks_registered():
@@ -368,12 +371,18 @@ class BoundLaunch:
         return args
 
 
+# A call trace takes kernels and their bound launches as constants (`call_traces`): they hold no
+# tensor, and the key of a trace fixes which ones its calls reach.
+register_constant_type(CachedKernel)
+register_constant_type(BoundLaunch)
+
+
 def tensor_key(tensor: torch.Tensor) -> tuple:
     """All of a tensor a launcher's decisions and Triton's specialization can depend on."""
     return (tensor.shape, tensor.stride(), tensor.dtype, tensor.get_device(), tensor.data_ptr() % 16 == 0)
 
 
-class LaunchPlans:
+class LaunchPlans(metaclass=VersionedSettings):
     """A launcher's launch plans: what it derived from its inputs' metadata (tiles, splits, grid,
     sizes, strides) and the `BoundLaunch` it made, by that metadata and the current CUDA device.
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import dequant4bit_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -238,6 +239,7 @@ def _dequantize_plan_key(tensors: tuple, *settings) -> tuple:
     return _DEQUANTIZE_PLANS.key(*tensors, *settings)
 
 
+@trace_unit
 def _run_dequantize_plan(
     plan: _DequantizePlan,
     tensors: tuple,

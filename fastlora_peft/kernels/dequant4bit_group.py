@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import VersionedSettings, trace_unit
 from fastlora_peft.kernels import dequant4bit_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -192,6 +193,7 @@ def _interleave(launched: list, launched_sizes: list) -> list:
     return values
 
 
+@trace_unit
 def _run_group_plan(plan: _GroupPlan, members: Sequence[Member], flat_members: tuple, out_dtype) -> list:
     outs = _empty_outs(members, out_dtype, plan.device)
     tensors = [outs[-1 - source] if source < 0 else flat_members[source] for source in plan.sources]
@@ -280,7 +282,7 @@ def _(
     return [member.packed.new_empty((member.rows, member.cols), dtype=out_dtype) for member in members]
 
 
-class DequantizeGroupSettings:
+class DequantizeGroupSettings(metaclass=VersionedSettings):
     """Whether a group's 4-bit weights are dequantized by one launch (read at every call). False
     dequantizes them one launch each (`benchmarks.plans_ab --switch dequant`)."""
 

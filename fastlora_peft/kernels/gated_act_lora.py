@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import VersionedSettings, trace_unit
+
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -156,7 +158,7 @@ def _gated_act_backward_weight_grad_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
-class GatedBackwardSettings:
+class GatedBackwardSettings(metaclass=VersionedSettings):
     """The kernel's default launches, (BLOCK_M, BLOCK_I, warps, stages, programs per SM), read at every
     default launch (`benchmarks.plans_ab --switch gated` and `kernel_ab --switch gated` set them).
 
@@ -285,6 +287,7 @@ def _weight_grad_plan_key(grad_h, gate, up, activation, left) -> tuple:
     return _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left, settings)
 
 
+@trace_unit
 def _run_weight_grad_plan(plan: _WeightGradPlan, grad_h, gate, up, left, scale) -> torch.Tensor:
     grad_h = _unit_column_stride(grad_h)  # as the launcher does: the key holds grad_h's strides
     left = left.T.contiguous().T if plan.copy_left else left

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
+
 from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -190,6 +192,7 @@ def _forward_plan_key(gate, up, activation, gate_left, gate_right, up_left, up_r
     return _FORWARD_PLANS.key(gate, up, activation, gate_left, gate_right, up_left, up_right)
 
 
+@trace_unit
 def _run_forward_plan(
     plan: _ForwardPlan, gate, up, gate_left, gate_right, gate_scale, up_left, up_right, up_scale
 ):

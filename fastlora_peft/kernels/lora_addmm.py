@@ -84,6 +84,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fastlora_peft.call_traces import VersionedSettings, trace_unit
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -96,7 +97,7 @@ NO_TERM, EPILOGUE, PROLOGUE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 LORA_AT = {"none": NO_TERM.value, "epilogue": EPILOGUE.value, "prologue": PROLOGUE.value}
 
 
-class LoraAddmmSettings:
+class LoraAddmmSettings(metaclass=VersionedSettings):
     """When the fused Functions' GEMMs take `lora_addmm` (read at every call).
 
     mode: "auto" (the default: on a Hopper GPU, 16-bit operands of one dtype, at least `min_tokens`
@@ -512,6 +513,7 @@ def _tma_plan_key(a, b, left, right) -> tuple:
     return _TMA_PLANS.key(a, b, left, right)
 
 
+@trace_unit
 def _run_tma_plan(plan: _TmaPlan, a, b, left, right, scale) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
     out = empty_2d(*plan.out_shape, a.dtype, a.device)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -259,6 +260,7 @@ def _group_plan_key(a, weights, left, right) -> tuple:
     return _GROUP_PLANS.key(a, *weights, *left, *right)
 
 
+@trace_unit
 def _run_group_plan(plan: _GroupPlan, a, weights, left, right, scale) -> list[torch.Tensor]:
     """weights: each b_i's transpose (`[N_i, K]`), as `_group_plan_key` took them."""
     members = len(weights)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_addmm_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -229,6 +230,7 @@ def _sum_plan_key(a, b, left, right) -> tuple:
     return _SUM_PLANS.key(*a, *b, left, right)
 
 
+@trace_unit
 def _run_sum_plan(plan: _SumPlan, a, b, left, right, scale) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
     out = empty_2d(*plan.out_shape, a[0].dtype, a[0].device)

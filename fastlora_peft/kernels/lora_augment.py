@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_augment_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -111,6 +112,7 @@ class _AugmentedLeftPlan(NamedTuple):
 _AUGMENTED_LEFT_PLANS = LaunchPlans("lora_augmented_left")
 
 
+@trace_unit
 def _run_augmented_left_plan(plan: _AugmentedLeftPlan, grad, grad_xa, scale) -> torch.Tensor:
     tokens, width = plan.sizes[0], plan.sizes[3]
     out = empty_2d(tokens, width, plan.dtype, plan.device)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d, tensor_key
@@ -191,6 +192,7 @@ def _expand_add_plan_key(base, left, right, out_dtype, out, num_warps=4) -> tupl
     return _EXPAND_ADD_PLANS.key(base, left, right, out_dtype, out_key, num_warps)
 
 
+@trace_unit
 def _run_expand_add_plan(plan, base, left, right, scale, out) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
     out = empty_2d(*plan.out_shape, plan.out_dtype, plan.device) if out is None else out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import VersionedSettings, trace_unit
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, cdiv
 from fastlora_peft.kernels.shrink_tiles import shrink_loop
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
@@ -25,7 +26,7 @@ from fastlora_peft.kernels.split_sum import split_scratch, split_total
 MAX_MEMBERS = 3  # q/k/v
 
 
-class ShrinkGroupSettings:
+class ShrinkGroupSettings(metaclass=VersionedSettings):
     """Whether `lora_shrink_stacked` launches its members together (read at every call). False launches
     `lora_shrink`'s kernel per member (tests, `plans_ab --switch shrink`)."""
 
@@ -138,6 +139,7 @@ class ShrinkGroupLaunch(NamedTuple):
     scratch: Optional[tuple[int, int]]  # split_scratch's sizes when a member splits
     device: torch.device
 
+    @trace_unit
     def __call__(self, xs, weights, scales, out) -> None:
         partial, counters = split_scratch(self.device, *self.scratch) if self.scratch else (out, out)
         scalars = (*self.head, *_scale_slots(scales), *self.tail)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -129,6 +130,7 @@ class _StackPlan(NamedTuple):
 _STACK_PLANS = LaunchPlans("lora_shrink_stack")
 
 
+@trace_unit
 def _run_stack_plan(plan: _StackPlan, x: torch.Tensor, weights: Sequence[torch.Tensor]):
     out = empty_2d(*plan.out_shape, torch.float32, plan.device, column_major=True)
     weight_t = empty_2d(*plan.weight_t_shape, plan.weight_dtype, plan.device)

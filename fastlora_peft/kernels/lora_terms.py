@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, Transposed, cdiv, empty_2d
@@ -354,6 +355,7 @@ def _shrink_plan_key(x, weight, out=None, keeps_weight_t: bool = False) -> tuple
     return _SHRINK_PLANS.key(x, weight, out, keeps_weight_t)
 
 
+@trace_unit
 def _run_shrink_plan(
     plan: _ShrinkPlan,
     x: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -247,6 +248,7 @@ def _weight_grad_plan_key(left, x, k_major: bool, out_dtype: torch.dtype) -> tup
     return _WEIGHT_GRAD_PLANS.key(left, x, k_major, out_dtype)
 
 
+@trace_unit
 def _run_weight_grad_plan(plan: _WeightGradPlan, left, x, scale) -> torch.Tensor:
     left = left.T.contiguous().T if plan.copy_left else left
     out = empty_2d(*plan.out_shape, plan.out_dtype, plan.device, column_major=plan.k_major)

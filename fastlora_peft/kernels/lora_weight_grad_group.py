@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastlora_peft.call_traces import VersionedSettings, trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
@@ -54,7 +55,7 @@ from fastlora_peft.kernels.split_sum import split_scratch
 MAX_PROBLEMS = 4
 
 
-class WeightGradGroupSettings:
+class WeightGradGroupSettings(metaclass=VersionedSettings):
     """Whether `lora_weight_grads` groups launches (read at every call). False launches
     `lora_weight_grad`'s kernel per gradient (tests, `plans_ab --switch wgrad`)."""
 
@@ -166,6 +167,7 @@ class _GroupLaunch(NamedTuple):
     out_dtype: torch.dtype
     device: torch.device
 
+    @trace_unit
     def __call__(self, lefts, xs, scales, outs) -> None:
         members, dtype, device = self.members, self.out_dtype, self.device
         group_outs = []
@@ -194,6 +196,7 @@ class _SingleLaunch(NamedTuple):
     index: int
     plan: object  # lora_weight_grad's `_WeightGradPlan`
 
+    @trace_unit
     def __call__(self, lefts, xs, scales, outs) -> None:
         i = self.index
         outs[i] = _run_weight_grad_plan(self.plan, lefts[i], xs[i], scales[i])
@@ -349,6 +352,7 @@ class _GroupPlan(NamedTuple):
 _GROUP_PLANS = LaunchPlans("lora_weight_grads")
 
 
+@trace_unit
 def _run_group_plan(plan: _GroupPlan, lefts, xs, scales) -> list[torch.Tensor]:
     if plan.copy_left is not None:
         lefts = [left.T.contiguous().T if copy else left for left, copy in zip(lefts, plan.copy_left)]

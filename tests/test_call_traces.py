@@ -1,0 +1,298 @@
+"""Call traces (`fastlora_peft.call_traces`): a fused Function's body, called again with the same
+metadata, is replayed from a recording of its torch calls and launches, without its decisions.
+
+The oracle is the same Function with traces off, on the same inputs: outputs and every gradient
+must be bit-identical, call after call, with the trace serving (the body function not called). On
+the CPU the bodies run the reference and the interpreter's launches, which replay the same way
+(`CallTraces.devices` is widened here); on a GPU the same tests replay the real launch plans.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FUNCTION_LAYOUTS
+
+from fastlora_peft import call_traces
+from fastlora_peft.call_traces import CallTraces, clear_all_traces, trace_unit
+from fastlora_peft.dtypes import plan_projection_dtypes
+from fastlora_peft.functions import shared_input
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
+from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+HIDDEN, TOKENS, RANK = 64, 7, 4  # 4-bit bases need feature sizes that are multiples of 64 on the CPU
+
+
+@pytest.fixture(autouse=True)
+def traces_everywhere(monkeypatch):
+    monkeypatch.setattr(CallTraces, "devices", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(CallTraces, "enabled", True)
+    clear_all_traces()
+    yield
+    clear_all_traces()
+
+
+def _projection(in_features, out_features, layout, device, bias, seed):
+    generator = torch.Generator().manual_seed(seed)
+    dtype, adapter_dtype, quantized = layout
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias_tensor = torch.randn(out_features, generator=generator).to(dtype).requires_grad_() if bias else None
+    base = FrozenBase(weight.to(device), None if bias_tensor is None else bias_tensor.to(device), None)
+    if quantized:
+        import bitsandbytes.functional as bnb_functional
+
+        from fastlora_peft.kernels.dequant4bit import Quant4bitState
+
+        packed, state = bnb_functional.quantize_4bit(
+            weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
+        packed = packed.to(device)
+        state.to(device)  # (in place)
+        base = FrozenBase(packed, base.bias, Quant4bitState.from_bnb(state, packed))
+    lora_a = (torch.randn(RANK, in_features, generator=generator) * 0.3).to(device, adapter_dtype)
+    lora_b = (torch.randn(out_features, RANK, generator=generator) * 0.3).to(device, adapter_dtype)
+    return base, LoraWeights(lora_a.requires_grad_(), lora_b.requires_grad_(), 0.5 + seed)
+
+
+def _step(bases, loras, layout, device, seed, x_grad=True, dropout=False, transposed=False):
+    """Outputs and every gradient of one fused call on inputs drawn from `seed`."""
+    dtype = layout[0]
+    generator = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(2, TOKENS, HIDDEN, generator=generator).to(device, dtype)
+    if transposed:  # a non-contiguous x: another key
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    x.requires_grad_(x_grad)
+    x_lora = None
+    if dropout:
+        keep = torch.rand(x.shape, generator=generator).to(device) > 0.3
+        x_lora = (x * keep.to(dtype)).detach().requires_grad_()
+    params = [t for lora in loras for t in (lora.lora_a, lora.lora_b)]
+    params += [base.bias for base in bases if base.bias is not None]
+    for param in params:
+        param.grad = None
+    plan = plan_projection_dtypes(dtype, dtype, quantized=layout[2], device_type=device)
+    outputs = shared_input.fused_lora_projections(x, bases, loras, plan, x_lora=x_lora)
+    grads = [torch.randn(out.shape, generator=generator).to(device, out.dtype) for out in outputs]
+    torch.autograd.backward(outputs, grads)
+    extra = [x.grad] + ([] if x_lora is None else [x_lora.grad])
+    return [out.detach() for out in outputs] + extra + [param.grad for param in params]
+
+
+def _assert_identical(actual, expected, what):
+    assert len(actual) == len(expected)
+    for index, (a, e) in enumerate(zip(actual, expected)):
+        if e is None:
+            assert a is None, f"{what}: item {index} should be None"
+            continue
+        assert a is not None, f"{what}: item {index} missing"
+        assert a.dtype == e.dtype and a.shape == e.shape and a.stride() == e.stride(), f"{what}: item {index}"
+        assert torch.equal(a, e), f"{what}: item {index} differs"
+
+
+def _count_bodies(monkeypatch) -> dict[str, int]:
+    """Counts the calls of the Function's forward and backward math (what a replay skips)."""
+    counts = {"forward": 0, "backward": 0}
+    forward, backward = shared_input.shared_input_forward, shared_input.shared_input_backward
+
+    def counted_forward(*args, **kwargs):
+        counts["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def counted_backward(*args, **kwargs):
+        counts["backward"] += 1
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(shared_input, "shared_input_forward", counted_forward)
+    monkeypatch.setattr(shared_input, "shared_input_backward", counted_backward)
+    return counts
+
+
+GROUPS = {"o": [(HIDDEN, HIDDEN)], "qkv": [(HIDDEN, HIDDEN), (HIDDEN, 128), (HIDDEN, 64)]}
+VARIANTS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "no-x-grad": {"x_grad": False},
+    "dropout": {"dropout": True},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
+def test_replayed_calls_match_the_body_bit_for_bit(layout_id, group, variant, device, monkeypatch):
+    if layout_id != "bf16" and variant != "plain" and device == "cpu":
+        pytest.skip("the CPU runs every variant on one layout (the interpreter is slow)")
+    layout = FUNCTION_LAYOUTS[layout_id]
+    options = dict(VARIANTS[variant])
+    bias = options.pop("bias", False)
+    pairs = [_projection(i, o, layout, device, bias, seed) for seed, (i, o) in enumerate(GROUPS[group])]
+    bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
+    counts = _count_bodies(monkeypatch)
+    steps = 5
+    traced = [_step(bases, loras, layout, device, seed, **options) for seed in range(steps)]
+    # The first call makes the launchers' plans and the next two are recorded: the last two replay.
+    assert counts == {"forward": 3, "backward": 3}, counts
+    assert not CallTraces.failures, CallTraces.failures
+    monkeypatch.setattr(CallTraces, "enabled", False)
+    for seed in range(steps):
+        _assert_identical(traced[seed], _step(bases, loras, layout, device, seed, **options), f"call {seed}")
+    assert counts == {"forward": 3 + steps, "backward": 3 + steps}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_of_other_metadata_take_their_own_traces(device, monkeypatch):
+    """Interleaved calls that differ in one thing each (x's layout, whether x needs a gradient, the
+    adapters' dtype) get their own traces: a key missing any of them would replay another's."""
+    counts = _count_bodies(monkeypatch)
+    runs = []
+    for layout_id in ("bf16", "fp32-adapters-on-bf16"):
+        layout = FUNCTION_LAYOUTS[layout_id]
+        pairs = [_projection(i, o, layout, device, False, seed) for seed, (i, o) in enumerate(GROUPS["qkv"])]
+        for options in ({}, {"transposed": True}, {"x_grad": False}):
+            runs.append((layout, [p[0] for p in pairs], [p[1] for p in pairs], options))
+    results = [[_step(b, lo, la, device, seed, **opt) for la, b, lo, opt in runs] for seed in range(5)]
+    assert counts == {"forward": 3 * len(runs), "backward": 3 * len(runs)}, counts
+    monkeypatch.setattr(CallTraces, "enabled", False)
+    for seed in range(5):
+        for index, (layout, bases, loras, options) in enumerate(runs):
+            expected = _step(bases, loras, layout, device, seed, **options)
+            _assert_identical(results[seed][index], expected, f"run {index} call {seed}")
+
+
+def test_a_settings_change_is_not_served_an_older_trace(monkeypatch):
+    layout = FUNCTION_LAYOUTS["bf16"]
+    pairs = [_projection(i, o, layout, "cpu", False, seed) for seed, (i, o) in enumerate(GROUPS["qkv"])]
+    bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
+    counts = _count_bodies(monkeypatch)
+    for seed in range(4):
+        _step(bases, loras, layout, "cpu", seed)
+    version = call_traces.settings_version()
+    monkeypatch.setattr(LoraAddmmSettings, "mode", "never")
+    assert call_traces.settings_version() != version
+    _step(bases, loras, layout, "cpu", 9)
+    assert counts["forward"] == 4  # 3 before the traces served, then one under the new setting
+
+
+# Bodies of toy calls: each records, then must replay what it did, or refuse to.
+_GLOBAL = torch.ones(3)
+
+
+def _traced(body, inputs, parts=("toy",), calls=4):
+    traces = call_traces.call_traces("toy")
+    results = []
+    for _ in range(calls):
+        key = traces.key(parts, inputs)
+        results.append(traces.call(key, inputs, lambda: body(*inputs))[0])
+    entry = traces.entries[key]
+    return results, entry
+
+
+def test_a_toy_body_replays_on_new_tensors():
+    def body(x, w):
+        y = x.reshape(-1) * 2
+        return (y + w.t().reshape(-1), x.shape[0])
+
+    x, w = torch.randn(2, 3), torch.randn(3, 2)
+    _, entry = _traced(body, (x, w))
+    assert entry.trace is not None
+    x2, w2 = torch.randn(2, 3), torch.randn(3, 2)
+    replayed = entry.trace.replay(x2, w2)
+    assert torch.equal(replayed[0], body(x2, w2)[0]) and replayed[1] == 2
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        (lambda x: x + _GLOBAL, "a tensor that is neither an input nor made by the body"),
+        (lambda x: x * x.sum().item(), "answered with a value"),
+        (lambda x: x if bool(x.sum() > 0) else -x, "answered with a value"),
+        (lambda x: _opaque_unit(x, _Opaque()), "an argument of type _Opaque"),
+    ],
+    ids=["outside-tensor", "item", "bool", "opaque-argument"],
+)
+def test_bodies_that_cannot_be_replayed_always_run(body, reason):
+    x = torch.randn(3)
+    results, entry = _traced(body, (x,))
+    assert entry.trace is None and entry.untraceable
+    assert reason in CallTraces.failures["toy"]
+
+
+class _Opaque:
+    """An object a trace cannot know to be the same in every call."""
+
+
+@trace_unit
+def _opaque_unit(x: torch.Tensor, _: _Opaque) -> torch.Tensor:
+    return x + 1
+
+
+def test_two_different_recordings_are_not_served():
+    flips = iter(range(100))
+
+    def body(x):
+        return x + 1 if next(flips) % 2 else x - 1  # decides on something outside the key
+
+    _, entry = _traced(body, (torch.randn(3),))
+    assert entry.trace is None and CallTraces.failures["toy"] == "two recordings differ"
+
+
+def test_a_unit_is_recorded_as_one_call_and_replayed():
+    writes = []
+
+    @trace_unit
+    def launch(out: torch.Tensor, value: float) -> None:
+        # A write torch cannot see (as a kernel launch's): only the unit's own call replays it.
+        writes.append(value)
+        out.numpy()[:] = value
+
+    def body(x):
+        out = torch.empty_like(x)
+        launch(out, 3.0)
+        return out + x
+
+    _, entry = _traced(body, (torch.zeros(4),))
+    assert entry.trace is not None and "empty_like" not in entry.trace.source
+    before = len(writes)
+    result = entry.trace.replay(torch.ones(4))
+    assert len(writes) == before + 1 and torch.equal(result, torch.full((4,), 4.0))
+
+
+def test_keys_hold_the_metadata_bodies_decide_on():
+    traces = call_traces.call_traces("toy")
+    x = torch.randn(4, 6)
+    base = traces.key(("p",), (x,))
+    others = {
+        "dtype": (x.to(torch.float64),),
+        "shape": (torch.randn(4, 5),),
+        "strides": (x.t().contiguous().t(),),
+        "alignment": (torch.randn(25)[1:].view(4, 6),),
+        "requires_grad": (x.clone().requires_grad_(),),
+        "aliasing": (x, x),
+        "parts": None,
+    }
+    for what, tensors in others.items():
+        key = traces.key(("q",), (x,)) if tensors is None else traces.key(("p",), tensors)
+        assert key != base, what
+    assert traces.key(("p",), (x.clone(),)) == base
+    assert traces.key(("p",), (None,)) is None  # nothing to key on
+
+
+def test_no_trace_under_a_dispatch_mode_or_for_a_subclass():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    traces = call_traces.call_traces("toy")
+    x = torch.randn(3)
+    with Passthrough():
+        assert traces.key(("p",), (x,)) is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert traces.key(("p",), (x.as_subclass(Sub),)) is None
+    assert traces.key(("p",), (x,)) is not None
