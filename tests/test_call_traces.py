@@ -16,7 +16,7 @@ from conftest import FUNCTION_LAYOUTS
 from fastlora_peft import call_traces
 from fastlora_peft.call_traces import CallTraces, clear_all_traces, trace_unit
 from fastlora_peft.dtypes import plan_projection_dtypes
-from fastlora_peft.functions import shared_input
+from fastlora_peft.functions import gated_mlp, shared_input
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
 from fastlora_peft.kernels.lora_addmm import LoraAddmmSettings
 
@@ -55,8 +55,9 @@ def _projection(in_features, out_features, layout, device, bias, seed):
     return base, LoraWeights(lora_a.requires_grad_(), lora_b.requires_grad_(), 0.5 + seed)
 
 
-def _step(bases, loras, layout, device, seed, x_grad=True, dropout=False, transposed=False):
-    """Outputs and every gradient of one fused call on inputs drawn from `seed`."""
+def _step(bases, loras, layout, device, seed, x_grad=True, dropout=False, transposed=False, mlp=False):
+    """Outputs and every gradient of one fused call (projections, or the gated MLP) on inputs drawn
+    from `seed`."""
     dtype = layout[0]
     generator = torch.Generator().manual_seed(1000 + seed)
     x = torch.randn(2, TOKENS, HIDDEN, generator=generator).to(device, dtype)
@@ -72,7 +73,10 @@ def _step(bases, loras, layout, device, seed, x_grad=True, dropout=False, transp
     for param in params:
         param.grad = None
     plan = plan_projection_dtypes(dtype, dtype, quantized=layout[2], device_type=device)
-    outputs = shared_input.fused_lora_projections(x, bases, loras, plan, x_lora=x_lora)
+    if mlp:
+        outputs = (gated_mlp.fused_gated_mlp(x, bases, loras, plan, "silu"),)
+    else:
+        outputs = shared_input.fused_lora_projections(x, bases, loras, plan, x_lora=x_lora)
     grads = [torch.randn(out.shape, generator=generator).to(device, out.dtype) for out in outputs]
     torch.autograd.backward(outputs, grads)
     extra = [x.grad] + ([] if x_lora is None else [x_lora.grad])
@@ -296,3 +300,57 @@ def test_no_trace_under_a_dispatch_mode_or_for_a_subclass():
 
     assert traces.key(("p",), (x.as_subclass(Sub),)) is None
     assert traces.key(("p",), (x,)) is not None
+
+
+def _count_mlp_bodies(monkeypatch) -> dict[str, int]:
+    """Counts the gated MLP's forward and backward math (what a replay skips)."""
+    counts = {"forward": 0, "backward": 0}
+    forward, backward = gated_mlp._down_forward, gated_mlp._down_backward_
+
+    def counted_forward(*args, **kwargs):
+        counts["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def counted_backward(*args, **kwargs):
+        counts["backward"] += 1
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(gated_mlp, "_down_forward", counted_forward)
+    monkeypatch.setattr(gated_mlp, "_down_backward_", counted_backward)
+    return counts
+
+
+MLP_VARIANTS = {
+    "plain": {},
+    "several-chunks": {"chunk_bytes": 2 * TOKENS * 128},  # h in chunks of about two rows
+    "keep-saved": {"overwrite": False},
+    "no-x-grad": {"x_grad": False},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(MLP_VARIANTS))
+@pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
+def test_replayed_gated_mlp_matches_the_body_bit_for_bit(layout_id, variant, device, monkeypatch):
+    if layout_id != "bf16" and variant != "plain" and device == "cpu":
+        pytest.skip("the CPU runs every variant on one layout (the interpreter is slow)")
+    layout = FUNCTION_LAYOUTS[layout_id]
+    options = dict(MLP_VARIANTS[variant])
+    if "chunk_bytes" in options:
+        monkeypatch.setattr(gated_mlp.GatedMlpSettings, "chunk_bytes", options.pop("chunk_bytes"))
+    if "overwrite" in options:
+        overwrite = options.pop("overwrite")
+        monkeypatch.setattr(gated_mlp.GatedMlpSettings, "overwrite_saved_preactivations", overwrite)
+    shapes = [(HIDDEN, 128), (HIDDEN, 128), (128, HIDDEN)]
+    pairs = [_projection(i, o, layout, device, False, seed) for seed, (i, o) in enumerate(shapes)]
+    bases, loras = [p[0] for p in pairs], [p[1] for p in pairs]
+    counts = _count_mlp_bodies(monkeypatch)
+    steps = 5
+    traced = [_step(bases, loras, layout, device, seed, mlp=True, **options) for seed in range(steps)]
+    assert counts == {"forward": 3, "backward": 3}, counts
+    assert not CallTraces.failures, CallTraces.failures
+    monkeypatch.setattr(CallTraces, "enabled", False)
+    for seed in range(steps):
+        expected = _step(bases, loras, layout, device, seed, mlp=True, **options)
+        _assert_identical(traced[seed], expected, f"call {seed}")
+    assert counts == {"forward": 3 + steps, "backward": 3 + steps}

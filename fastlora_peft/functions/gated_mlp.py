@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ..call_traces import VersionedSettings
+from ..call_traces import VersionedSettings, call_traces
 from ..dtypes import DtypePlan, autocast_off
 from ..kernels.gated_act import gated_act_backward_
 from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
@@ -284,37 +284,48 @@ class LoraGatedMlpFunction(torch.autograd.Function):
     def forward(
         ctx, x: torch.Tensor, plan: DtypePlan, activation: str, settings: _MlpSettings, layout, *tensors
     ):
-        bases, loras = unflatten_tensors(layout, tensors)
-        x_2d = x.reshape(-1, x.shape[-1])
-        # Gate and up without their LoRA terms: the activation kernel adds them (see _down_forward).
-        # Their GEMMs are launched first, then the LoRA shrink they do not need: where the host is
-        # slower than the GPU, the block's largest GEMMs start before the host spends its time on the
-        # shrink, instead of after.
-        pre_activations = base_outputs(x_2d, bases[:-1], plan)
-        xa_in, lora_a_t = shrink_stacking_lora_a(x_2d, loras[:-1])
-        gate, up = _gate_and_up(pre_activations)
-        gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
-        chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
-        down_base = _dense_base(bases[-1], plan)
         # dh's term reads Ad.T in every backward (dh is always made), unless it goes through the
         # augmented K: kept wherever a backward can run and will read it.
         backward_runs = any(ctx.needs_input_grad)
-        ctx.augmented_dh = backward_runs and _dh_takes_augmented_k(bases[-1], loras[-1], plan, gate)
-        keep_down_a_t = backward_runs and not ctx.augmented_dh
-        out, ha_down, down_a_t = _down_forward(
-            gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks, keep_down_a_t
-        )
+
+        def body():
+            bases, loras = unflatten_tensors(layout, tensors)
+            x_2d = x.reshape(-1, x.shape[-1])
+            # Gate and up without their LoRA terms: the activation kernel adds them (see _down_forward).
+            # Their GEMMs are launched first, then the LoRA shrink they do not need: where the host is
+            # slower than the GPU, the block's largest GEMMs start before the host spends its time on
+            # the shrink, instead of after.
+            pre_activations = base_outputs(x_2d, bases[:-1], plan)
+            xa_in, lora_a_t = shrink_stacking_lora_a(x_2d, loras[:-1])
+            gate, up = _gate_and_up(pre_activations)
+            gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
+            chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
+            down_base = _dense_base(bases[-1], plan)
+            augmented_dh = backward_runs and _dh_takes_augmented_k(bases[-1], loras[-1], plan, gate)
+            keep_down_a_t = backward_runs and not augmented_dh
+            out, ha_down, down_a_t = _down_forward(
+                gate, up, activation, gate_up_terms, down_base, loras[-1], plan, chunks, keep_down_a_t
+            )
+            saved = (x, xa_in, ha_down, lora_a_t, down_a_t, *pre_activations)
+            return out.view(*x.shape[:-1], out.shape[-1]), saved, chunks, augmented_dh
+
+        # Replayed without its decisions where the same metadata was seen before (`call_traces`):
+        # the chunks and the dh decision come back as the values the recorded body returned.
+        inputs = (x, *tensors)
+        key = _FORWARD_TRACES.key((plan, activation, settings, layout, backward_runs), inputs)
+        (out, saved, chunks, augmented_dh), ctx.trace_entry = _FORWARD_TRACES.call(key, inputs, body)
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
+        ctx.augmented_dh = augmented_dh
         ctx.chunk_bytes = settings.chunk_bytes
         ctx.overwrite = settings.overwrite_saved_preactivations
-        ctx.pre_activation_count = len(pre_activations)
-        ctx.save_for_backward(x, xa_in, ha_down, lora_a_t, down_a_t, *pre_activations, *tensors)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        ctx.pre_activation_count = len(saved) - _SAVED_BEFORE_PRE_ACTIVATIONS
+        ctx.save_for_backward(*saved, *tensors)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         try:
-            x, xa_in, ha_down, lora_a_t, down_a_t, *saved = ctx.saved_tensors
+            saved_tensors = ctx.saved_tensors
         except RuntimeError as error:
             if ctx.overwrite and "inplace operation" in str(error):
                 raise RuntimeError(
@@ -324,16 +335,22 @@ class LoraGatedMlpFunction(torch.autograd.Function):
                     "the forward to keep them."
                 ) from error
             raise
-        pre_activations, tensors = saved[: ctx.pre_activation_count], saved[ctx.pre_activation_count :]
-        if not ctx.overwrite:
-            pre_activations = [t.clone() for t in pre_activations]
-        gate, up = _gate_and_up(pre_activations)
+        needs_input_grad = ctx.needs_input_grad
+        # Everything else the body reads of ctx follows from the forward's key (its entry, below).
         plan: DtypePlan = ctx.plan
-        bases, loras = unflatten_tensors(ctx.layout, tensors)
-        needs_bases, needs_loras = unflatten_tensors(ctx.layout, ctx.needs_input_grad[_FIRST_TENSOR_ARG:])
-        x_2d = x.reshape(-1, x.shape[-1])
-        grad_2d = grad_out.reshape(x_2d.shape[0], grad_out.shape[-1])
-        with autocast_off(x.device.type):
+        layout, activation, chunks, chunk_bytes = ctx.layout, ctx.activation, ctx.chunks, ctx.chunk_bytes
+        overwrite, augmented_dh, count = ctx.overwrite, ctx.augmented_dh, ctx.pre_activation_count
+
+        def body():
+            x, xa_in, ha_down, lora_a_t, down_a_t, *saved = saved_tensors
+            pre_activations, tensors = saved[:count], saved[count:]
+            if not overwrite:
+                pre_activations = [t.clone() for t in pre_activations]
+            gate, up = _gate_and_up(pre_activations)
+            bases, loras = unflatten_tensors(layout, tensors)
+            needs_bases, needs_loras = unflatten_tensors(layout, needs_input_grad[_FIRST_TENSOR_ARG:])
+            x_2d = x.reshape(-1, x.shape[-1])
+            grad_2d = grad_out.reshape(x_2d.shape[0], grad_out.shape[-1])
             # Down projection: dA_down and dh (which becomes the gate/up gradients) are made chunk by
             # chunk, see `_down_backward_`. dB and the bias grad need no h: dB (xa_down against dY)
             # is made with gate's and up's weight gradients, one `lora_weight_grads` call whose
@@ -342,21 +359,34 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             grad_ha, down_scale = hoisted_grad_xa([grad_2d], [down_lora])
             down_grad_bases = bias_grads(bases[-1:], needs_bases[-1:], [grad_2d])
             grad_a_down = _down_backward_(
-                gate, up, ctx.activation, grad_2d, grad_ha, down_scale, bases[-1],
-                down_lora, down_a_t, plan, need_down.lora_a, ctx.chunks, ctx.chunk_bytes, ctx.augmented_dh,
+                gate, up, activation, grad_2d, grad_ha, down_scale, bases[-1],
+                down_lora, down_a_t, plan, need_down.lora_a, chunks, chunk_bytes, augmented_dh,
             )  # fmt: skip
             down_b = WeightGradProblem(ha_down, grad_2d, down_lora.scale, True, down_lora.lora_b.dtype)
             gate_up = shared_input_backward(
-                x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, ctx.needs_input_grad[0],
+                x_2d, xa_in, bases[:-1], loras[:-1], plan, pre_activations, needs_input_grad[0],
                 needs_loras[:-1], needs_bases[:-1], lora_a_t=lora_a_t,
                 extra_weight_grads=[down_b] if need_down.lora_b else [],
             )  # fmt: skip
-        grad_a_down = None if grad_a_down is None else grad_a_down.to(down_lora.lora_a.dtype)
-        grad_b_down = gate_up.extra[0].t() if need_down.lora_b else None
-        down_grad_lora = LoraWeights(grad_a_down, grad_b_down, down_lora.scale)
-        grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
-        grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
-        return (grad_x, None, None, None, None, *values_in_tensor_slots(ctx.layout, grad_tree))
+            grad_a_down = None if grad_a_down is None else grad_a_down.to(down_lora.lora_a.dtype)
+            grad_b_down = gate_up.extra[0].t() if need_down.lora_b else None
+            down_grad_lora = LoraWeights(grad_a_down, grad_b_down, down_lora.scale)
+            grad_x = None if gate_up.grad_x is None else gate_up.grad_x.view(x.shape)
+            grad_tree = (gate_up.bases + down_grad_bases, gate_up.loras + [down_grad_lora])
+            return (grad_x, None, None, None, None, *values_in_tensor_slots(layout, grad_tree))
+
+        forward = ctx.trace_entry
+        parts = (forward, needs_input_grad, torch.is_grad_enabled())
+        key = None if forward is None else _BACKWARD_TRACES.key(parts, (grad_out,))
+        with autocast_off(saved_tensors[0].device.type):
+            return _BACKWARD_TRACES.call(key, (*saved_tensors, grad_out), body)[0]
+
+
+# x, xa_in, ha_down, lora_a_t, down_a_t: the saved tensors before the gate/up pre-activations.
+_SAVED_BEFORE_PRE_ACTIVATIONS = 5
+# The Function's bodies by call metadata, replayed without their decisions (`call_traces`).
+_FORWARD_TRACES = call_traces("gated_mlp_forward")
+_BACKWARD_TRACES = call_traces("gated_mlp_backward")
 
 
 def fused_gated_mlp(
