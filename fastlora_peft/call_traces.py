@@ -154,7 +154,9 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.slots: dict[int, str] = {}  # id(tensor) -> its variable
         self.alive: list = []  # every tensor seen, so that no id is reused while recording
-        self.lines: list[str] = []
+        # (code, the variables it reads, the variable it defines or None), in order.
+        self.lines: list[tuple[str, list[str], Optional[str]]] = []
+        self.uses: list[str] = []  # the variables the expressions written since the last line read
         self.constants: list = []
         self.constant_names: dict[int, str] = {}
         self.count = 0
@@ -188,6 +190,7 @@ class _Recorder(TorchFunctionMode):
             name = self.slots.get(id(value))
             if name is None:
                 raise _Untraceable("a tensor that is neither an input nor made by the body")
+            self.uses.append(name)
             return name
         if kind is list or kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
             if kind is not list and not _holds_tensor(value):
@@ -210,32 +213,34 @@ class _Recorder(TorchFunctionMode):
         raise _Untraceable(f"an argument of type {kind.__name__}")
 
     def _call_line(self, function: Any, args: tuple, kwargs: dict) -> str:
+        self.uses = []
         parts = [self._expression(arg) for arg in args]
         parts += [f"{name}={self._expression(value)}" for name, value in kwargs.items()]
         return f"{self._constant(function)}(" + ", ".join(parts) + ")"
 
-    def _bind_result(self, result: Any, expression: str) -> None:
+    def _bind_result(self, result: Any, expression: str, uses: list[str]) -> None:
         if isinstance(result, torch.Tensor):
             name = f"v{self.count}"
             self.count += 1
-            self.lines.append(f"{name} = {expression}")
+            self.lines.append((f"{name} = {expression}", uses, name))
             self._bind(result, name)
         elif type(result) in (list, tuple) or isinstance(result, tuple):
             for index, item in enumerate(result):
                 if isinstance(item, (torch.Tensor, list, tuple)):
-                    self._bind_result(item, f"{expression}[{index}]")
+                    self._bind_result(item, f"{expression}[{index}]", uses)
 
     def _record(self, function: Any, args: tuple, kwargs: dict, result: Any) -> None:
         line = self._call_line(function, args, kwargs)
+        uses = self.uses
         if isinstance(result, torch.Tensor):
-            self._bind_result(result, line)
+            self._bind_result(result, line, uses)
         elif _holds_tensor(result):
             name = f"r{self.count}"
             self.count += 1
-            self.lines.append(f"{name} = {line}")
-            self._bind_result(result, name)
+            self.lines.append((f"{name} = {line}", uses, name))
+            self._bind_result(result, name, [name])
         else:
-            self.lines.append(line)
+            self.lines.append((line, uses, None))
 
     def unit(self, function: Callable, args: tuple, kwargs: dict) -> Any:
         if self.inside_unit or self.failure is not None:
@@ -272,10 +277,34 @@ class _Recorder(TorchFunctionMode):
     def finish(self, outputs: Any) -> "_Trace":
         if self.failure is not None:
             raise _Untraceable(self.failure)
+        self.uses = []
         returned = self._expression(outputs)
-        body = "".join(f"    {line}\n" for line in self.lines)
-        source = f"def replay(c, {', '.join(self.parameters)}):\n{body}    return {returned}\n"
-        return _Trace(source, tuple(self.constants))
+        source = f"def replay(c, {', '.join(self.parameters)}):\n"
+        source += "".join(f"    {line}\n" for line in _with_deletions(self.lines, set(self.uses)))
+        return _Trace(source + f"    return {returned}\n", tuple(self.constants))
+
+
+def _with_deletions(lines: list[tuple[str, list[str], Optional[str]]], returned: set[str]) -> list[str]:
+    """The lines, each followed by a `del` of the variables it read (or made) last: a replay holds no
+    tensor longer than the body did, which dropped its intermediates as it went (a dequantized
+    weight before the next is made, each chunk of h); without these every variable would live to
+    the return (the gated MLP's peak rose from 584 to 811 MiB on the H200, forty-second session)."""
+    last_line: dict[str, int] = {}
+    for index, (_, uses, defines) in enumerate(lines):
+        if defines is not None:
+            last_line[defines] = index
+        for name in uses:
+            last_line[name] = index
+    dropped_after: dict[int, list[str]] = {}
+    for name, index in last_line.items():
+        if name[0] != "i" and name not in returned:  # inputs ("i0", ...) are the caller's
+            dropped_after.setdefault(index, []).append(name)
+    code = []
+    for index, (text, _, _) in enumerate(lines):
+        code.append(text)
+        if index in dropped_after:
+            code.append("del " + ", ".join(sorted(dropped_after[index])))
+    return code
 
 
 def _check_constant(value: Any) -> None:
