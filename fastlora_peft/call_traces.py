@@ -126,9 +126,7 @@ _METADATA = _metadata_queries()
 _METHOD_WRAPPER = type(torch.Tensor.T.__get__)
 
 # Torch functions that answer from their arguments' dtypes alone (in the key), asked by the bodies.
-_DTYPE_QUERIES = frozenset(
-    {torch.promote_types, torch.result_type, torch.can_cast, torch.is_autocast_enabled}
-)
+_DTYPE_QUERIES = frozenset({torch.promote_types, torch.result_type, torch.can_cast})
 
 # Arguments taken as constants: values, equal in every call of a key.
 _VALUE_TYPES = frozenset(

@@ -337,6 +337,7 @@ MLP_VARIANTS = {
 def test_replayed_gated_mlp_matches_the_body_bit_for_bit(layout_id, variant, device, monkeypatch):
     if layout_id != "bf16" and variant != "plain" and device == "cpu":
         pytest.skip("the CPU runs every variant on one layout (the interpreter is slow)")
+    monkeypatch.setattr(gated_mlp.GatedMlpSettings, "call_traces", True)  # off by default
     layout = FUNCTION_LAYOUTS[layout_id]
     options = dict(MLP_VARIANTS[variant])
     if "chunk_bytes" in options:
@@ -390,6 +391,7 @@ def test_a_replay_holds_no_more_memory_than_the_body(layout_id, block, monkeypat
     once in a step are no more than the body's (the gated MLP's peak rose by 39% on the H200 while
     every variable of the replay lived to its return)."""
     monkeypatch.setattr(gated_mlp.GatedMlpSettings, "chunk_bytes", 2 * TOKENS * 128)  # chunks of h
+    monkeypatch.setattr(gated_mlp.GatedMlpSettings, "call_traces", True)
     layout = FUNCTION_LAYOUTS[layout_id]
     shapes = {"o": GROUPS["o"], "qkv": GROUPS["qkv"], "mlp": [(HIDDEN, 128), (HIDDEN, 128), (128, HIDDEN)]}
     pairs = [_projection(i, o, layout, "cpu", False, seed) for seed, (i, o) in enumerate(shapes[block])]
@@ -403,3 +405,14 @@ def test_a_replay_holds_no_more_memory_than_the_body(layout_id, block, monkeypat
             _step(bases, loras, layout, "cpu", 9, mlp=block == "mlp")
         peaks[traced] = live.peak
     assert 0 < peaks[True] <= peaks[False], peaks
+
+
+def test_the_gated_mlp_is_not_traced_by_default(monkeypatch):
+    layout = FUNCTION_LAYOUTS["bf16"]
+    shapes = [(HIDDEN, 128), (HIDDEN, 128), (128, HIDDEN)]
+    pairs = [_projection(i, o, layout, "cpu", False, seed) for seed, (i, o) in enumerate(shapes)]
+    counts = _count_mlp_bodies(monkeypatch)
+    for seed in range(5):
+        _step([p[0] for p in pairs], [p[1] for p in pairs], layout, "cpu", seed, mlp=True)
+    assert counts == {"forward": 5, "backward": 5}
+    assert not gated_mlp._FORWARD_TRACES.entries and not gated_mlp._BACKWARD_TRACES.entries

@@ -262,6 +262,12 @@ class GatedMlpSettings(metaclass=VersionedSettings):
     # The most bytes of h per chunk of the down projection, read at forward (backward reuses the
     # forward's chunks). Tests lower it to run several chunks on tiny shapes.
     chunk_bytes = _CHUNK_BYTES
+    # The Function's forward and backward replayed from call traces (`call_traces`). Off by default:
+    # on the H200 the first traced MLP held every intermediate to the end of the replay (peak 584 ->
+    # 811 MiB at 8192 tokens, forty-second session); replays now drop each after its last use, which
+    # `tests/test_call_traces.py` pins on the CPU, but no GPU run has measured the peak since, and
+    # the 2048-token MLP read 1.16x traced against 1.17x not.
+    call_traces = False
 
 
 class _MlpSettings(NamedTuple):
@@ -269,6 +275,7 @@ class _MlpSettings(NamedTuple):
 
     chunk_bytes: int
     overwrite_saved_preactivations: bool
+    call_traces: bool
 
 
 class LoraGatedMlpFunction(torch.autograd.Function):
@@ -312,7 +319,12 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         # Replayed without its decisions where the same metadata was seen before (`call_traces`):
         # the chunks and the dh decision come back as the values the recorded body returned.
         inputs = (x, *tensors)
-        key = _FORWARD_TRACES.key((plan, activation, settings, layout, backward_runs), inputs)
+        traced = GatedMlpSettings.call_traces
+        key = (
+            _FORWARD_TRACES.key((plan, activation, settings, layout, backward_runs), inputs)
+            if traced
+            else None
+        )
         (out, saved, chunks, augmented_dh), ctx.trace_entry = _FORWARD_TRACES.call(key, inputs, body)
         ctx.plan, ctx.activation, ctx.layout, ctx.chunks = plan, activation, layout, chunks
         ctx.augmented_dh = augmented_dh
@@ -399,5 +411,8 @@ def fused_gated_mlp(
     """Runs `LoraGatedMlpFunction` on (gate, up, down) or (gate_up, down), autocast off inside."""
     tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
     with autocast_off(x.device.type):
-        settings = _MlpSettings(GatedMlpSettings.chunk_bytes, GatedMlpSettings.overwrite_saved_preactivations)
+        settings = _MlpSettings(
+            GatedMlpSettings.chunk_bytes, GatedMlpSettings.overwrite_saved_preactivations,
+            GatedMlpSettings.call_traces,
+        )  # fmt: skip
         return LoraGatedMlpFunction.apply(x, plan, activation, settings, layout, *tensors)
