@@ -6,10 +6,13 @@ those decisions is a function of the call's metadata (shapes, strides, dtypes, d
 which gradients are needed), the settings, and the launch plans that metadata selects. So a body
 called again with the same metadata runs the same torch calls and the same launches, on new tensors.
 
-`CallTraces.call(key_parts, inputs, body)` runs `body()` the first time a key is seen (the launchers
-build their plans), then records it twice, and from then on replays the recording: a Python function
-of straight-line code, written once per key, that makes the same torch calls and the same launcher
-replays (`trace_unit`) with the new tensors in place of the recorded ones.
+`CallTraces.key(parts, keyed)` makes a call's key; `CallTraces.call(key, inputs, body)` runs
+`body()` the first time a key is seen (the launchers build their plans), then records it twice, and
+from then on replays the recording: a Python function of straight-line code, written once per key,
+that makes the same torch calls and the same launcher replays (`trace_unit`) with the new tensors in
+place of the recorded ones, and deletes each variable after the line that reads it last (as the
+body drops its intermediates: a replay holds no more memory than the body). A model's layers of one
+shape share a key, so the body runs for the first three layers of a new shape and the rest replay.
 
 How a recording stays exact (each rule fails the recording, and the key then always runs `body()`):
 - Every torch call outside a unit goes through a `TorchFunctionMode`: a call that returns tensors is
@@ -25,13 +28,15 @@ How a recording stays exact (each rule fails the recording, and the key then alw
 - The two recordings must be the same code with the same constants.
 
 The key holds the metadata of every input tensor (type, shape, strides, dtype, device, alignment,
-requires_grad, and which inputs share an address), the caller's parts (dtype plan, layout, needs_input_grad)
-and `settings_version()`, which every change to a `VersionedSettings` class (the switches that pick
-paths: `LoraAddmmSettings`, `LaunchPlans.enabled`, ...) moves.
+requires_grad, storage offset, and which inputs share an address), the caller's parts (dtype plan,
+layout, needs_input_grad) and `settings_version()`, which every change to a `VersionedSettings`
+class (the switches that pick paths: `LoraAddmmSettings`, `LaunchPlans.enabled`, ...) moves.
 
-Traces serve where launch plans do (CUDA tensors outside the interpreter), never under
-torch.compile, a dispatch mode or a tensor subclass; `CallTraces.devices` widens that for the CPU tests,
-where the reference and the interpreter's launches (`CachedKernel.launch`, a unit) replay the same way.
+Traces serve CUDA tensors, never under torch.compile, a dispatch mode, a tensor subclass or a CUDA
+graph capture; `CallTraces.devices` widens that for the CPU tests, where the reference and the
+interpreter's launches (`CachedKernel.launch`, a unit) replay the same way. A module function
+patched at run time (tests do) is not seen by a trace recorded before: tests start with none
+(`clear_all_traces`, `tests/conftest.py`).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class VersionedSettings(type):
 _settings_values: dict = {}
 _settings_numbers: dict = {}
 _settings_version = [0]
+_unhashable_states = [0]  # how many states held an unhashable value (numbered -1, -2, ...)
 _DELETED = object()
 
 
@@ -73,8 +79,9 @@ def _settings_changed(cls: type, name: str) -> None:
     state = tuple((id(kind), attribute, value) for (kind, attribute), value in _settings_values.items())
     try:
         number = _settings_numbers.setdefault(state, len(_settings_numbers) + 1)
-    except TypeError:  # an unhashable value: a number of its own
-        number = -len(_settings_values) - _settings_version[0] - 1
+    except TypeError:  # an unhashable value: a number of its own, never seen again
+        _unhashable_states[0] += 1
+        number = -_unhashable_states[0]
     _settings_version[0] = number
 
 
@@ -103,15 +110,14 @@ def trace_unit(function: Callable) -> Callable:
             return function(*args, **kwargs)
         return recorder.unit(function, args, kwargs)
 
-    unit.traced_function = function
     return unit
 
 
 def _metadata_queries() -> frozenset:
     tensor = torch.Tensor
     properties = (
-        "shape", "dtype", "device", "is_cuda", "is_cpu", "ndim", "layout", "requires_grad", "is_leaf",
-        "itemsize", "nbytes", "is_sparse", "is_quantized", "is_meta",
+        "shape", "dtype", "device", "is_cuda", "is_cpu", "ndim", "layout", "requires_grad", "itemsize",
+        "nbytes", "is_sparse", "is_quantized", "is_meta",
     )  # fmt: skip
     methods = (
         "size", "stride", "dim", "data_ptr", "is_contiguous", "element_size", "get_device", "numel",
@@ -417,7 +423,7 @@ class CallTraces:
             address = tensor.data_ptr()
             key.append(
                 (kind, tensor.shape, tensor.stride(), tensor.dtype, tensor.get_device(), address % 16 == 0,
-                 tensor.requires_grad, addresses.setdefault(address, index))
+                 tensor.requires_grad, tensor.storage_offset(), addresses.setdefault(address, index))
             )  # fmt: skip
         if first is None:
             return None
