@@ -178,8 +178,8 @@ class _Recorder(TorchFunctionMode):
         self.alive.append(tensor)
 
     def _constant(self, value: Any) -> str:
-        name = self.constant_names.get(id(value))
-        if name is None or self.constants[int(name[2:-1])] is not value:
+        name = self.constant_names.get(id(value))  # (ids stay unique: `alive` holds each constant)
+        if name is None:
             name = f"c[{len(self.constants)}]"
             self.constants.append(value)
             self.alive.append(value)
@@ -250,8 +250,7 @@ class _Recorder(TorchFunctionMode):
         if self.inside_unit or self.failure is not None:
             return function(*args, **kwargs)
         try:
-            line_args = (function, args, kwargs)
-            self._call_line(*line_args)  # fails before the call if an argument cannot be replayed
+            self._call_line(function, args, kwargs)  # fails before the call if an argument cannot be replayed
         except _Untraceable as error:
             self.failure = str(error)
             return function(*args, **kwargs)

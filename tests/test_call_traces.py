@@ -97,22 +97,22 @@ def _assert_identical(actual, expected, what):
         assert torch.equal(a, e), f"{what}: item {index} differs"
 
 
-def _count_bodies(monkeypatch) -> dict[str, int]:
-    """Counts the calls of the Function's forward and backward math (what a replay skips)."""
+def _count_calls(monkeypatch, module, forward_name: str, backward_name: str) -> dict[str, int]:
+    """Counts the calls of a Function's forward and backward math in `module` (what a replay skips)."""
     counts = {"forward": 0, "backward": 0}
-    forward, backward = shared_input.shared_input_forward, shared_input.shared_input_backward
+    for kind, name in (("forward", forward_name), ("backward", backward_name)):
+        original = getattr(module, name)
 
-    def counted_forward(*args, **kwargs):
-        counts["forward"] += 1
-        return forward(*args, **kwargs)
+        def counted(*args, _kind=kind, _original=original, **kwargs):
+            counts[_kind] += 1
+            return _original(*args, **kwargs)
 
-    def counted_backward(*args, **kwargs):
-        counts["backward"] += 1
-        return backward(*args, **kwargs)
-
-    monkeypatch.setattr(shared_input, "shared_input_forward", counted_forward)
-    monkeypatch.setattr(shared_input, "shared_input_backward", counted_backward)
+        monkeypatch.setattr(module, name, counted)
     return counts
+
+
+def _count_bodies(monkeypatch) -> dict[str, int]:
+    return _count_calls(monkeypatch, shared_input, "shared_input_forward", "shared_input_backward")
 
 
 GROUPS = {"o": [(HIDDEN, HIDDEN)], "qkv": [(HIDDEN, HIDDEN), (HIDDEN, 128), (HIDDEN, 64)]}
@@ -316,21 +316,7 @@ def test_no_trace_under_a_dispatch_mode_or_for_a_subclass():
 
 
 def _count_mlp_bodies(monkeypatch) -> dict[str, int]:
-    """Counts the gated MLP's forward and backward math (what a replay skips)."""
-    counts = {"forward": 0, "backward": 0}
-    forward, backward = gated_mlp._down_forward, gated_mlp._down_backward_
-
-    def counted_forward(*args, **kwargs):
-        counts["forward"] += 1
-        return forward(*args, **kwargs)
-
-    def counted_backward(*args, **kwargs):
-        counts["backward"] += 1
-        return backward(*args, **kwargs)
-
-    monkeypatch.setattr(gated_mlp, "_down_forward", counted_forward)
-    monkeypatch.setattr(gated_mlp, "_down_backward_", counted_backward)
-    return counts
+    return _count_calls(monkeypatch, gated_mlp, "_down_forward", "_down_backward_")
 
 
 MLP_VARIANTS = {
