@@ -3,6 +3,8 @@
 python -m benchmarks.plans_ab [--switch plans|traces|augmented|addmm|sum|group|wgrad|shrink|dequant|gated]
     [--tokens 8192] [--blocks o,qkv,mlp] [--bases bf16,nf4] [--adapters fp32] [--addmm-min-tokens 512]
 
+`--switch a,b,...` runs each switch's A/B in turn, in one process.
+
 The host-bound blocks (o_proj, q/k/v, anything at 2048 tokens) move by tens of percent between
 processes and machines, so a before/after of a switch is only readable inside one process: the same
 fused model runs with the switch on and off, interleaved round by round with the floor by
@@ -30,6 +32,7 @@ weight (`kernels/dequant4bit_group.py`; only a 4-bit base, `--bases nf4`, has an
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -142,17 +145,18 @@ SWITCHES: dict[str, Callable[[bool], None]] = {
 
 def library_defaults() -> Callable[[], None]:
     """What puts the switches back as the library had them when this was called: launch plans on or
-    off (off under the interpreter), the augmented rule, `LoraAddmmSettings.mode` ("auto" by default
-    since the twentieth session: a reset to "never" after one block would run every later block of
-    the command without lora_addmm)."""
+    off (off under the interpreter), call traces, the augmented rule, `LoraAddmmSettings.mode` ("auto"
+    by default since the twentieth session: a reset to "never" after one block would run every later
+    block of the command without lora_addmm)."""
     plans, addmm_mode, min_tokens = LaunchPlans.enabled, LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens
     sum_members, group_forward = LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward
     grouped_weight_grads, grouped_shrinks = WeightGradGroupSettings.enabled, ShrinkGroupSettings.enabled
     grouped_dequantize = DequantizeGroupSettings.enabled
     gated_launches = GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch
+    traces = CallTraces.enabled
 
     def restore() -> None:
-        LaunchPlans.enabled = plans
+        LaunchPlans.enabled, CallTraces.enabled = plans, traces
         library_rules()
         LoraAddmmSettings.mode, LoraAddmmSettings.min_tokens = addmm_mode, min_tokens
         LoraAddmmSettings.sum_members, LoraAddmmSettings.group_forward = sum_members, group_forward
@@ -175,7 +179,10 @@ def with_switch(step: Step, switch: Callable[[bool], None], enabled: bool) -> St
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", default="plans", choices=sorted(SWITCHES))
+    parser.add_argument(
+        "--switch", default="plans",
+        help=f"one of {','.join(SWITCHES)}, or several comma-separated: each one's A/B in turn",
+    )  # fmt: skip
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--blocks", default="o,qkv,mlp")
     parser.add_argument("--bases", default="bf16")
@@ -192,31 +199,34 @@ def main() -> None:
         LoraAddmmSettings.min_tokens = args.addmm_min_tokens
     device = torch.device("cpu" if args.smoke else "cuda")
     geo = cases.SMOKE if args.smoke else cases.LLAMA_8B
-    switch, arm = SWITCHES[args.switch], args.switch
+    arms = args.switch.split(",")
+    unknown = [arm for arm in arms if arm not in SWITCHES]
+    if unknown:
+        parser.error(f"unknown switch {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")
     restore_defaults = library_defaults()
-    for base in args.bases.split(","):
-        for block in args.blocks.split(","):
-            layout = (base, args.adapters, args.tokens, device)
-            floor = cases.one_layer_block_step(geo, block, "floor", *layout)
-            fused = cases.one_layer_block_step(geo, block, "fastlora", *layout)
-            steps = {
-                "floor": floor,
-                arm: with_switch(fused, switch, True),
-                f"no_{arm}": with_switch(fused, switch, False),
-            }
-            timings = time_side_by_side(
-                steps, Clock(device), warmup=5, repeats=args.repeats, rounds=args.rounds,
-                order=balanced_round_order,
-            )  # fmt: skip
-            restore_defaults()
-            floor_ms = timings["floor"].step_ms
-            columns = [
-                f"{name} {t.step_ms:.3f} ms ({t.step_ms / floor_ms:.2f}x, spread {t.spread_pct:.0f}%)"
-                for name, t in timings.items()
-            ]
-            print(f"{block:4s} {base} {args.tokens}: " + "  ".join(columns), flush=True)
-            del floor, fused, steps
-            cases.free_memory()
+    for arm, base, block in itertools.product(arms, args.bases.split(","), args.blocks.split(",")):
+        switch = SWITCHES[arm]
+        layout = (base, args.adapters, args.tokens, device)
+        floor = cases.one_layer_block_step(geo, block, "floor", *layout)
+        fused = cases.one_layer_block_step(geo, block, "fastlora", *layout)
+        steps = {
+            "floor": floor,
+            arm: with_switch(fused, switch, True),
+            f"no_{arm}": with_switch(fused, switch, False),
+        }
+        timings = time_side_by_side(
+            steps, Clock(device), warmup=5, repeats=args.repeats, rounds=args.rounds,
+            order=balanced_round_order,
+        )  # fmt: skip
+        restore_defaults()
+        floor_ms = timings["floor"].step_ms
+        columns = [
+            f"{name} {t.step_ms:.3f} ms ({t.step_ms / floor_ms:.2f}x, spread {t.spread_pct:.0f}%)"
+            for name, t in timings.items()
+        ]
+        print(f"{block:4s} {base} {args.tokens}: " + "  ".join(columns), flush=True)
+        del floor, fused, steps
+        cases.free_memory()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,28 +48,33 @@ def test_host_ab_kernel_mode_profiles_each_arm_against_the_floor(tmp_path):
         REPO / "fastlora_peft", old / "fastlora_peft", ignore=shutil.ignore_patterns("__pycache__")
     )
     out = tmp_path / "ab.json"
+    # One round (two rounds' alternating order is the test above's): each process takes about 10 s.
     command = [sys.executable, "-m", "benchmarks.host_ab", "--smoke", "--kernel", "--old", str(old)]
-    command += ["--cases", "o:4", "--rounds", "2", "--steps", "2", "--out", str(out)]
+    command += ["--cases", "o:4", "--rounds", "1", "--steps", "2", "--out", str(out)]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rounds = json.loads(out.read_text())["o:4"]["rounds"]
-    assert len(rounds["old"]) == len(rounds["new"]) == 2
+    assert len(rounds["old"]) == len(rounds["new"]) == 1
     assert all(value > 0 for values in rounds.values() for value in values)
     lines = [line for line in done.stdout.splitlines() if line.startswith("round")]
-    assert len(lines) == 4 and all("x floor (" in line for line in lines), lines
+    assert len(lines) == 2 and all("x floor (" in line for line in lines), lines
     assert "kernel time x floor" in done.stdout
 
 
-@pytest.mark.parametrize("switch", ["plans", "augmented", "addmm", "wgrad", "shrink", "dequant", "gated"])
-def test_plans_ab_times_both_arms_beside_the_floor(switch):
+def test_plans_ab_times_both_arms_of_every_switch_beside_the_floor():
+    # Every switch in one process (each a process of its own took about 10 s, mostly imports).
+    from benchmarks.plans_ab import SWITCHES
+
     command = [sys.executable, "-m", "benchmarks.plans_ab", "--smoke", "--tokens", "8", "--blocks", "o"]
-    command += ["--repeats", "1", "--rounds", "1", "--switch", switch]
+    command += ["--repeats", "1", "--rounds", "1", "--switch", ",".join(SWITCHES)]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("o ")]
-    assert "floor" in line and f" {switch} " in line and f"no_{switch}" in line, line
+    lines = [line for line in done.stdout.splitlines() if line.startswith("o ")]
+    assert len(lines) == len(SWITCHES), lines
+    for switch, line in zip(SWITCHES, lines):
+        assert "floor" in line and f" {switch} " in line and f"no_{switch}" in line, line
 
 
 def test_gpu_suite_parts_cover_every_test_file_once(capsys):
@@ -232,6 +236,7 @@ def test_ab_tools_put_the_library_defaults_back():
     """After a block, plans_ab and kernel_ab restore the switches as they found them: "auto" stays
     "auto" (a reset to "never" made every later block of a command run without lora_addmm)."""
     from benchmarks import plans_ab
+    from fastlora_peft.call_traces import CallTraces
     from fastlora_peft.functions import augmented_k, shared_input
     from fastlora_peft.kernels import lora_addmm
     from fastlora_peft.kernels._launch import LaunchPlans
@@ -241,7 +246,7 @@ def test_ab_tools_put_the_library_defaults_back():
     from fastlora_peft.kernels.lora_shrink_group import ShrinkGroupSettings
     from fastlora_peft.kernels.lora_weight_grad_group import WeightGradGroupSettings
 
-    assert LoraAddmmSettings.mode == "auto"
+    assert LoraAddmmSettings.mode == "auto" and CallTraces.enabled
     gated_launches = GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch
     assert gated_launches == ((16, 128, 4, 3, 2), (32, 64, 4, 2, 2))
     plans = LaunchPlans.enabled
@@ -253,7 +258,7 @@ def test_ab_tools_put_the_library_defaults_back():
         assert LoraAddmmSettings.mode == "never" and shared_input.augmented_member is plans_ab._no_member
         assert not LoraAddmmSettings.sum_members and not LoraAddmmSettings.group_forward
         assert not WeightGradGroupSettings.enabled and not ShrinkGroupSettings.enabled
-        assert not DequantizeGroupSettings.enabled
+        assert not DequantizeGroupSettings.enabled and not CallTraces.enabled
         assert GatedBackwardSettings.launch == GatedBackwardSettings.few_programs_launch == (32, 64, 4, 2, 2)
     finally:
         restore()
@@ -263,7 +268,7 @@ def test_ab_tools_put_the_library_defaults_back():
     assert shared_input.augmented_member is augmented_k.augmented_member
     assert shared_input.lora_addmm_auto_takes is lora_addmm.lora_addmm_auto_takes
     assert (GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch) == gated_launches
-    assert DequantizeGroupSettings.enabled
+    assert DequantizeGroupSettings.enabled and CallTraces.enabled
 
 
 def test_host_vs_gpu_smoke_prints_both_providers_host_columns():

