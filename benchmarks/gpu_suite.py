@@ -6,7 +6,9 @@ One device call runs for at most 10 minutes, and the whole suite takes longer th
 times on the H200 in the thirty-sixth session: part 1 130 s, part 2 432 s, part 3 90 s (part 2's
 call, the wheels' install included, ran 441 s of its 600). Each part runs pytest with `-q -rEf`
 (every error's and failure's report in the log) and `--durations=15`, in one process, in the order
-listed, so a part's log reads the same from session to session.
+listed, so a part's log reads the same from session to session. Pass no further `-q`: at `-qq`
+pytest drops its count line (a forty-third session log read as cut short for that). On a fresh
+machine part 1 took 150 s in the forty-third session (its compile tests come last): give it 240 s.
 
 Part 3 is every test file the first two do not name, except `CPU_ONLY`: a new test file lands in
 part 3 unless it is added to a part (`tests/test_benchmark_tools.py` checks that the parts cover
