@@ -233,9 +233,8 @@ class _Recorder(TorchFunctionMode):
                 if isinstance(item, (torch.Tensor, list, tuple)):
                     self._bind_result(item, f"{expression}[{index}]", uses)
 
-    def _record(self, function: Any, args: tuple, kwargs: dict, result: Any) -> None:
-        line = self._call_line(function, args, kwargs)
-        uses = self.uses
+    def _record(self, line: str, uses: list[str], result: Any) -> None:
+        """Writes `line` (from `_call_line`, which read the variables `uses`) bound to what it returned."""
         if isinstance(result, torch.Tensor):
             self._bind_result(result, line, uses)
         elif _holds_tensor(result):
@@ -250,16 +249,17 @@ class _Recorder(TorchFunctionMode):
         if self.inside_unit or self.failure is not None:
             return function(*args, **kwargs)
         try:
-            self._call_line(function, args, kwargs)  # fails before the call if an argument cannot be replayed
+            line = self._call_line(function, args, kwargs)  # before the call: the arguments as passed
         except _Untraceable as error:
             self.failure = str(error)
             return function(*args, **kwargs)
+        uses = self.uses
         self.inside_unit += 1
         try:
             result = function(*args, **kwargs)
         finally:
             self.inside_unit -= 1
-        self._record(function, args, kwargs, result)
+        self._record(line, uses, result)
         return result
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -272,7 +272,8 @@ class _Recorder(TorchFunctionMode):
         try:
             if result is not None and not _holds_tensor(result):
                 raise _Untraceable(f"{getattr(func, '__name__', func)} answered with a value")
-            self._record(func, args, kwargs, result)
+            line = self._call_line(func, args, kwargs)
+            self._record(line, self.uses, result)
         except _Untraceable as error:
             self.failure = str(error)
         return result
@@ -347,17 +348,31 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=256)
+def _replay_function(source: str) -> Callable:
+    """The function a trace's source defines. Its only names are its parameters (the constants come
+    in as `c`), so traces of one source share it: keys that differ only in metadata (a new sequence
+    length) record the same source. compile() was about 40% of a recorded q/k/v step on the CPU
+    proxy (forty-third session)."""
+    namespace: dict = {}
+    exec(compile(source, "<fastlora call trace>", "exec"), namespace)
+    return namespace["replay"]
+
+
 class _Trace:
-    """A recorded body: its source and constants, and the function compiled from them."""
+    """A recorded body: its source and constants; `replay` once it is adopted (`adopt`)."""
 
     __slots__ = ("source", "constants", "replay")
 
     def __init__(self, source: str, constants: tuple) -> None:
         self.source = source
         self.constants = constants
-        namespace: dict = {}
-        exec(compile(source, "<fastlora call trace>", "exec"), namespace)
-        self.replay = functools.partial(namespace["replay"], constants)
+        self.replay: Optional[Callable] = None
+
+    def adopt(self) -> "_Trace":
+        """Compiles the source (only a trace that replays needs it: not the first recording)."""
+        self.replay = functools.partial(_replay_function(self.source), self.constants)
+        return self
 
     def same_as(self, other: "_Trace") -> bool:
         if self.source != other.source or len(self.constants) != len(other.constants):
@@ -473,7 +488,7 @@ class CallTraces:
         if entry.recorded is None:
             entry.recorded = trace
         elif entry.recorded.same_as(trace):
-            entry.trace, entry.recorded = trace, None
+            entry.trace, entry.recorded = trace.adopt(), None
         else:
             CallTraces.failures[self.name] = "two recordings differ"
             CallTraces.differing[self.name] = (entry.recorded, trace)

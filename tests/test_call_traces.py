@@ -218,6 +218,27 @@ def test_a_toy_body_replays_on_new_tensors():
     assert torch.equal(replayed[0], body(x2, w2)[0]) and replayed[1] == 2
 
 
+def test_only_an_adopted_trace_is_compiled_and_one_source_compiles_once(monkeypatch):
+    """The first recording is compared, never replayed: it is not compiled. A key of another shape
+    that records the same source reuses the compiled function (a new sequence length)."""
+    compiled = []
+    real_compile = compile
+    monkeypatch.setattr(call_traces, "compile", lambda *args: compiled.append(1) or real_compile(*args),
+                        raising=False)  # fmt: skip
+    call_traces._replay_function.cache_clear()
+
+    def body(x, w):
+        return x @ w.t() + 1
+
+    shapes = [(5, 4), (7, 4), (9, 4)]
+    entries = [_traced(body, (torch.randn(*shape), torch.randn(3, 4)))[1] for shape in shapes]
+    assert all(entry.trace is not None for entry in entries)
+    assert len({entry.trace.source for entry in entries}) == 1
+    assert len(compiled) == 1
+    x, w = torch.randn(11, 4), torch.randn(3, 4)
+    assert torch.equal(entries[2].trace.replay(x, w), body(x, w))
+
+
 @pytest.mark.parametrize(
     "body, reason",
     [
