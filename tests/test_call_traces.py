@@ -452,8 +452,7 @@ def test_a_model_trains_the_same_with_traces(monkeypatch):
     training steps under gradient checkpointing (the forward runs again inside backward), the gated
     MLP traced too, traces on against off: the same logits and every adapter gradient, bit for bit.
     (One test: the interpreter is slow. The function-level tests above cover the plain calls.)"""
-    mlp_traces = True
-    monkeypatch.setattr(gated_mlp.GatedMlpSettings, "call_traces", mlp_traces)
+    monkeypatch.setattr(gated_mlp.GatedMlpSettings, "call_traces", True)
     model = _tiny_fast_llama(4, torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -472,8 +471,7 @@ def test_a_model_trains_the_same_with_traces(monkeypatch):
             results.append([logits.detach()] + grads)
         runs[traced] = results
     # Every key was replayed or seen fewer than four times (layer 0's q/k/v: an x that needs no grad).
-    functions = [shared_input] + ([gated_mlp] if mlp_traces else [])
-    for module in functions:
+    for module in (shared_input, gated_mlp):
         for traces in (module._FORWARD_TRACES, module._BACKWARD_TRACES):
             entries = list(traces.entries.values())
             assert any(entry.trace is not None for entry in entries), traces.name

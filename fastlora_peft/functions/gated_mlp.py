@@ -317,10 +317,9 @@ class LoraGatedMlpFunction(torch.autograd.Function):
         # Replayed without its decisions where the same metadata was seen before (`call_traces`):
         # the chunks and the dh decision come back as the values the recorded body returned.
         inputs = (x, *tensors)
-        traced = GatedMlpSettings.call_traces
         key = (
             _FORWARD_TRACES.key((plan, activation, settings, layout, backward_runs), inputs)
-            if traced
+            if settings.call_traces
             else None
         )
         (out, saved, chunks, augmented_dh), ctx.trace_entry = _FORWARD_TRACES.call(key, inputs, body)
