@@ -352,8 +352,8 @@ def _holds_tensor(value: Any) -> bool:
 def _replay_function(source: str) -> Callable:
     """The function a trace's source defines. Its only names are its parameters (the constants come
     in as `c`), so traces of one source share it: keys that differ only in metadata (a new sequence
-    length) record the same source. compile() was about 40% of a recorded q/k/v step on the CPU
-    proxy (forty-third session)."""
+    length) record the same source. Compiling only the adopted trace, once per source, took a
+    recorded q/k/v step on the CPU proxy from 2.93-2.99 to 1.67-1.75 ms (forty-third session)."""
     namespace: dict = {}
     exec(compile(source, "<fastlora call trace>", "exec"), namespace)
     return namespace["replay"]
