@@ -257,6 +257,7 @@ def test_tma_encoder_encodes_each_address_and_shape_once(monkeypatch):
     x = storage.view(64, 48)
     assert encoder(x) == ("descriptor 1", 64, 48, 48, 1)
     assert calls == [(x.data_ptr(), 3, 2, 8, [16, 32], [64, 48], [48, 1], 0)]  # the host's element type
+    assert encoder(x) is encoder(x)  # a hit hands back what it kept: no tuple built per launch
     assert encoder(TensorDescriptor.from_tensor(x, [16, 32])) == ("descriptor 1", 64, 48, 48, 1)
     assert encoder(storage[: 32 * 48].view(32, 48))[0] == "descriptor 2"  # same address, other shape
     assert encoder(storage[48 * 8 :].view(56, 48))[0] == "descriptor 3"  # other address
@@ -290,6 +291,13 @@ def test_bound_launch_of_tma_descriptors(monkeypatch):
     bound = _launch.BoundLaunch("k", Compiled(), direct, (4,), ("CONST",), 0, descriptors)
     bound(x, 5, y, 2.0)
     assert direct_calls[0][13:] == ("enc a", 16, 32, 5, "enc b", 8, 32, 2.0, "CONST")
+    # Descriptors side by side (the kernels take theirs first), and one last.
+    side_by_side = _launch.BoundLaunch("k", Compiled(), direct, (4,), (), 0, ((0, (16, 32)), (1, (8, 32))))
+    side_by_side(x, y, 5)
+    assert direct_calls[1][13:] == ("enc a", 16, 32, "enc b", 8, 32, 5)
+    last = _launch.BoundLaunch("k", Compiled(), direct, (4,), (), 0, ((1, (16, 32)), (2, (8, 32))))
+    last(5, x, y)
+    assert direct_calls[2][13:] == (5, "enc a", 16, 32, "enc b", 8, 32)
     without_encoders = _launch.BoundLaunch(
         "k", Compiled(), direct._replace(encoders=()), (4,), (), 0, descriptors
     )
@@ -299,7 +307,7 @@ def test_bound_launch_of_tma_descriptors(monkeypatch):
         ((grid, args),) = wrapper_calls[-1:]
         assert grid == (4, 1, 1) and type(args[0]) is TensorDescriptor and args[0].base is x
         assert list(args[0].block_shape) == [16, 32] and args[1] == 5 and args[2].base is y
-    assert len(direct_calls) == 1
+    assert len(direct_calls) == 3  # the three direct launches above, none through the wrapper
 
 
 def test_pointer_positions_are_the_signatures_pointer_parameters():

@@ -133,23 +133,26 @@ class TmaEncoder:
         self.encoded: dict[tuple, Any] = {}
 
     def __call__(self, arg: Any) -> tuple:
-        """`arg`: a `TensorDescriptor`, or a tensor read whole (zero padding, the block from `meta`)."""
+        """`arg`: a `TensorDescriptor`, or a tensor read whole (zero padding, the block from `meta`).
+        Returns what the C launch takes for it, kept whole with its encoding: a hit builds nothing."""
         if type(arg) is TensorDescriptor:
-            base, shape, strides = arg.base, tuple(arg.shape), tuple(arg.strides)
             padding = 1 if arg.padding == "nan" else 0
+            key = (arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), padding)
         else:
-            base, shape, strides, padding = arg, tuple(arg.shape), arg.stride(), 0
-        key = (base.data_ptr(), shape, strides, padding)
-        encoded = self.encoded.get(key)
-        if encoded is None:
+            # The Size as it is: it hashes and compares as the tuple of its ints (a descriptor of the
+            # whole tensor finds the same entry), and `tuple()` of it costs as much as the lookup.
+            key = (arg.data_ptr(), arg.shape, arg.stride(), 0)
+        expanded = self.encoded.get(key)
+        if expanded is None:
             if len(self.encoded) >= self.MAX_ENCODED:
                 self.encoded.clear()
+            address, shape, strides, padding = key
             encoded = self.fill(
-                key[0], self.swizzle, self.elem_size, self.host_elem_type, self.block_size,
+                address, self.swizzle, self.elem_size, self.host_elem_type, self.block_size,
                 list(shape), list(strides), padding,
             )  # fmt: skip
-            self.encoded[key] = encoded
-        return (encoded, *shape, *strides)
+            expanded = self.encoded[key] = (encoded, *shape, *strides)
+        return expanded
 
 
 def _c_launch_inside(wrapper: Callable[..., None]) -> Optional[Callable[..., None]]:
@@ -352,14 +355,18 @@ class BoundLaunch:
         )  # fmt: skip
 
     def _with_encoded_descriptors(self, args: tuple, encoders: tuple) -> list:
-        """args with each descriptor parameter expanded into what the C launch takes for it."""
+        """args with each descriptor parameter expanded into what the C launch takes for it. The
+        kernels take their descriptors first, side by side: no empty run of arguments between two
+        is sliced (with seven descriptors, 1.9 against 1.1 us a launch on the CPU machine)."""
         expanded: list = []
+        extend = expanded.extend
         start = 0
         for (position, _), encode in zip(self.descriptors, encoders):
-            expanded += args[start:position]
-            expanded += encode(args[position])
+            if position != start:
+                extend(args[start:position])
+            extend(encode(args[position]))
             start = position + 1
-        expanded += args[start:]
+        extend(args[start:])
         return expanded
 
     def _with_descriptor_objects(self, args: tuple) -> list:
