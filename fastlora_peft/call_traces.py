@@ -393,7 +393,10 @@ class TraceEntry:
         self.untraceable = False
 
 
-_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+# Tensors of exactly these types: what a key, a plan or an op's direct call reads by metadata alone
+# (a subclass may carry more, and goes its slower, checked way). One set for `call_traces`,
+# `kernels._launch` and `kernels._backend`.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class CallTraces:
@@ -430,7 +433,7 @@ class CallTraces:
                 key.append(None)
                 continue
             kind = type(tensor)
-            if kind not in _PLAIN_TENSOR_TYPES:
+            if kind not in PLAIN_TENSOR_TYPES:
                 return None
             if first is None:
                 first = tensor

@@ -17,6 +17,8 @@ import os
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..call_traces import PLAIN_TENSOR_TYPES
+
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Name of the torch.library namespace every kernel op of this package is registered under.
@@ -34,12 +36,9 @@ def skips_op_dispatch(*tensors) -> bool:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     for tensor in tensors:  # a loop, not all(<generator>): this runs on every op call
-        if tensor is not None and type(tensor) not in _PLAIN_TENSOR_TYPES:
+        if tensor is not None and type(tensor) not in PLAIN_TENSOR_TYPES:
             return False
     return True
-
-
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def runs_triton(tensor: torch.Tensor) -> bool:

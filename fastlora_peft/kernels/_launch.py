@@ -57,7 +57,7 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..call_traces import VersionedSettings, register_constant_type, trace_unit
+from ..call_traces import PLAIN_TENSOR_TYPES, VersionedSettings, register_constant_type, trace_unit
 from ._backend import TRITON_INTERPRET
 
 # The hook chains' type where Triton has them (3.6), else a class no hook is an instance of.
@@ -426,7 +426,7 @@ class LaunchPlans(metaclass=VersionedSettings):
         here, without the calls (most inputs are tensors; about 30% of a ten-tensor key's host time)."""
         parts: list = [torch.cuda.current_device()]
         for item in inputs:
-            if type(item) in _PLAIN_TENSOR_TYPES:
+            if type(item) in PLAIN_TENSOR_TYPES:  # keyed inline (a subclass: `_key_part`)
                 parts.append(
                     (item.shape, item.stride(), item.dtype, item.get_device(), item.data_ptr() % 16 == 0)
                 )
@@ -443,8 +443,6 @@ class LaunchPlans(metaclass=VersionedSettings):
         self.plans[key] = plan
 
 
-# Tensors keyed inline by `LaunchPlans.key` (a subclass goes through `_key_part`'s isinstance).
-_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 # Launcher arguments taken into a key as they are (tested first: `isinstance(x, torch.Tensor)` on a
 # non-tensor goes through torch's metaclass check).
 _PLAIN_KEY_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype})
