@@ -1,7 +1,7 @@
 """Profiles one block of the benchmark's Llama-3.1-8B layer on CUDA: kernels by CUDA time, host time.
 
 python -m benchmarks.profile_block --block o --adapters fp32 [--provider fastlora] [--base bf16] [--cprofile]
-    [--gaps]
+    [--gaps] [--rank R]
 
 `--gaps` lists where the GPU sits idle inside a step (wall time above the kernels' sum): for each
 idle stretch, the kernel after it and the host op that launched that kernel.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument(
         "--tokens", type=int, default=cases.LLAMA_8B.tokens, help="batch 1 of this many tokens"
     )
+    parser.add_argument("--rank", type=int, help="LoRA rank (alpha 2 x rank, as the sweep)")
     parser.add_argument("--cprofile", action="store_true", help="also print Python functions by own time")
     parser.add_argument("--cpu-ops", action="store_true", help="also print torch ops by host (CPU) time")
     parser.add_argument("--gaps", action="store_true", help="also list GPU idle stretches and their cause")
@@ -44,6 +46,8 @@ def main() -> None:
     args = parser.parse_args()
 
     geo, device = cases.LLAMA_8B, torch.device("cuda")
+    if args.rank is not None:
+        geo = dataclasses.replace(geo, rank=args.rank, alpha=geo.alpha * args.rank // geo.rank)
     step = cases.one_layer_block_step(
         geo, args.block, args.provider, args.base, args.adapters, args.tokens, device
     )
@@ -76,7 +80,7 @@ def main() -> None:
         begin = time.perf_counter()
         run()
         alone += time.perf_counter() - begin
-    print(f"{args.block} {args.base} {args.adapters} {args.provider} {args.tokens} tokens: "
+    print(f"{args.block} {args.base} {args.adapters} {args.provider} r={geo.rank} {args.tokens} tokens: "
           f"host {host * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
           f"host alone {alone / 20 * 1e3:.3f} ms/step")  # fmt: skip
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

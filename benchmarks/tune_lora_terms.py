@@ -2,7 +2,8 @@
 
 python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit
                                      | --weight-grad-kernels | --gated | --gated-forward
-                                     | --split-shrink | --shrink-rows [--tokens=8192]]
+                                     | --split-shrink | --shrink-rows [--tokens=8192] | --high-rank
+                                     | --high-rank-grads]
 
 Per shape: the default, then the fastest configs.
 
@@ -155,6 +156,36 @@ def tune_shrink_rows(rows: int, k: int, rank: int, transposed: bool, weight_dtyp
     _report(name, default, results, x.numel() * 2)
 
 
+# (BLOCK_M, BLOCK_K, warps, stages, BLOCK_R) of `--high-rank`'s shrinks, each unsplit and in two.
+_HIGH_RANK_SHRINK_CONFIGS = (
+    (64, 64, 8, 4, 128), (128, 64, 8, 3, 128), (128, 32, 8, 3, 128), (64, 128, 8, 3, 128),
+    (32, 128, 8, 4, 128), (64, 64, 4, 4, 64), (128, 64, 8, 3, 64), (128, 64, 4, 3, 64),
+    (64, 128, 4, 4, 64), (128, 128, 8, 3, 64),
+)  # fmt: skip
+
+
+def tune_high_rank_shrink(rows: int, k: int, rank: int, weight_dtype: torch.dtype) -> None:
+    """x @ W.T over more than one 64-wide rank tile (q/k/v's stacked A at rank 64 and more, past the
+    stack kernel's 128 ranks a contiguous [R, K] cat): the default launch against tiles x rank tiles
+    x K splits, timed by kernel (`kernel_times_us`)."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(rank, k, device="cuda").to(weight_dtype)
+    launches = {"default": lambda: lt._lora_shrink_triton(x=x, weight=weight)}
+    for (block_m, block_k, warps, stages, block_r), split in itertools.product(
+        _HIGH_RANK_SHRINK_CONFIGS, (1, 2)
+    ):
+        launches[(block_m, block_k, warps, stages, block_r, split)] = functools.partial(
+            lt._lora_shrink_triton, x=x, weight=weight, split=split, block_m=block_m, block_k=block_k,
+            num_warps=warps, num_stages=stages, block_r=block_r,
+        )  # fmt: skip
+    times = kernel_times_us(launches, "_lora_shrink_kernel")
+    default = times.pop("default")
+    results = [(us, dict(zip(("m", "k", "w", "s", "r", "split"), key))) for key, us in times.items()]
+    _report(f"shrink M={rows} K={k} R={rank} w={str(weight_dtype)[6:]}", default, results, x.numel() * 2)
+    for us, config in results:  # sorted by `_report`
+        print(f"    {us:7.1f}us {config}")
+
+
 def tune_expand_add(n: int, rank: int, right_dtype: torch.dtype) -> None:
     base = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
     left = torch.randn(TOKENS, rank, device="cuda", dtype=torch.float32)
@@ -230,13 +261,14 @@ def tune_weight_grad_kernels(
     name: str,
     configs: tuple = _WEIGHT_GRAD_KERNEL_CONFIGS,
     splits: tuple = _WEIGHT_GRAD_SPLITS,
+    block_rs: tuple = (None,),
 ) -> None:
     """One backward's weight gradients as the fused Functions launch them, against `configs` (BLOCK_M,
     BLOCK_K, warps, stages) x token `splits` (None: the launcher's rule), each timed by its kernel
     alone (`kernel_times_us`; these kernels run 20-150 us, about an unplanned launch's host time, so
     do_bench would time the host). One problem: `lora_weight_grad`'s kernel (q/k/v's stacked dA, the
     MLP's gate/up dA); several of one rank: the grouped kernel (o_proj's dA and dB, q/k/v's three dB,
-    the MLP's gate, up and down dB)."""
+    the MLP's gate, up and down dB). block_rs: rank tiles to try (None: the launcher's), one problem only."""
     lefts = [_token_major(tokens, rank) for rank in ranks]
     xs = [torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for width in widths]
     scales = [0.5] * len(xs)
@@ -256,12 +288,14 @@ def tune_weight_grad_kernels(
             group_module._launch_group(lefts, xs, scales, outs, **config)
 
     launches = {"default": run}
-    for (block_m, block_k, warps, stages), split in itertools.product(configs, splits):
+    for (block_m, block_k, warps, stages), split, block_r in itertools.product(configs, splits, block_rs):
         config = dict(split=split, block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages)
-        launches[(block_m, block_k, warps, stages, split)] = functools.partial(run, **config)
+        if block_r is not None:
+            config["block_r"] = block_r
+        launches[(block_m, block_k, warps, stages, split, block_r)] = functools.partial(run, **config)
     times = kernel_times_us(launches, kernel, calls=10)
     default = times.pop("default")
-    results = [(us, dict(zip(("m", "k", "w", "s", "split"), key))) for key, us in times.items()]
+    results = [(us, dict(zip(("m", "k", "w", "s", "split", "r"), key))) for key, us in times.items()]
     moved = sum(x.numel() * x.element_size() for x in xs)
     _report(f"{name} M={tokens} K={widths} R={ranks}", default, results, moved)
 
@@ -394,6 +428,18 @@ def main() -> None:
                 (4096, 48, True), (1024, 16, True), (4096, 16, False),
             ):  # fmt: skip
                 tune_shrink_rows(2048, k, rank, transposed, dtype)
+        return
+    if "--high-rank-grads" in sys.argv:
+        # Rank 64 and 128 (the rank sweep, fp32 adapters): q/k/v's stacked dA and three dB.
+        for r in (64, 128):
+            tune_weight_grad_kernels(8192, (3 * r,), (4096,), f"q/k/v dA r={r}", block_rs=(64, 128))
+            tune_weight_grad_kernels(8192, (r, r, r), (4096, 1024, 1024), f"q/k/v dB r={r}")
+        return
+    if "--high-rank" in sys.argv:
+        # Shrinks past 64 ranks: q/k/v's stacked x @ A.T at rank 32 / 64 / 128 (3r ranks), one at 128.
+        shrinks = ((96, torch.float32), (96, bf16), (128, torch.float32), (128, bf16), (192, torch.float32))
+        for rank, dtype in (*shrinks, (192, bf16), (384, torch.float32)):
+            tune_high_rank_shrink(8192, 4096, rank, dtype)
         return
     if "--gated-forward" in sys.argv:
         for dtype in (bf16, fp32):

@@ -221,17 +221,20 @@ def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout, monkeypatch):
 @pytest.mark.parametrize("weight_dtype, rank", [(BF16, 48), (BF16, 32), (FP16, 64), (BF16, 16), (BF16, 80)])
 def test_lora_shrink_16_bit_weight_over_a_wide_rank_tile(weight_dtype, rank, monkeypatch):
     # 16-bit adapters over a rank tile of 32 to 64 (a q/k/v group's stacked A at rank 48, an MLP's
-    # gate/up at 32) take lora_terms' _WIDE_NATIVE_LAUNCH; rank tiles of 16 and 128 keep 32-row tiles.
+    # gate/up at 32) take lora_terms' _WIDE_NATIVE_LAUNCH; a rank tile of 16 keeps 32-row tiles; past
+    # 64 ranks the tiles are 64 wide (`shrink_rank_block`), two of them at rank 80, with
+    # _MANY_RANKS_NATIVE_LAUNCH.
     launches = _recorded_launches(monkeypatch)
     x, weight = _make(130, 300, weight_dtype, "contig"), _make(rank, 300, weight_dtype, "transposed")
     truth = SCALE * (x.double() @ weight.double().T)
     _check_op("lora_shrink", (x, weight, SCALE), truth, FP32)
     if EXPECT_TRITON:
         names = ("BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
-        rank_tile = max(16, 1 << (rank - 1).bit_length())
+        rank_tile = min(64, max(16, 1 << (rank - 1).bit_length()))
         wide = 32 <= rank_tile <= 64
         narrow = {"BLOCK_M": 32, "BLOCK_K": 128}
-        expected = dict(zip(names, lora_terms._WIDE_NATIVE_LAUNCH)) if wide else narrow
+        launch = lora_terms._MANY_RANKS_NATIVE_LAUNCH if rank > 64 else lora_terms._WIDE_NATIVE_LAUNCH
+        expected = dict(zip(names, launch)) if wide else narrow
         assert launches, "the shrink made no launch"
         for _, _, meta in launches:
             assert meta["BLOCK_R"] == rank_tile, meta

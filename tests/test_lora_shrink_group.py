@@ -94,20 +94,20 @@ def test_split_length_rule():
     # 8192 tokens, q/k/v with fp32 weights (64-column steps: 64, 16 and 16 of them, 128 row blocks):
     # unsplit, 384 programs fall short of three per SM and q's run four times as long as k's and
     # v's; q in two makes 512 programs of at most twice k's length.
-    assert group_k_per_split([4096, 1024, 1024], row_blocks=128, block_k=64, sms=132) == 2048
+    assert group_k_per_split([4096, 1024, 1024], tiles=128, block_k=64, sms=132) == 2048
     # bf16 weights (128-column steps, 256 row blocks): 768 programs, but q's four times k's length.
-    assert group_k_per_split([4096, 1024, 1024], row_blocks=256, block_k=128, sms=132) == 2048
+    assert group_k_per_split([4096, 1024, 1024], tiles=256, block_k=128, sms=132) == 2048
     # The MLP's gate/up (224 steps each): 128 row blocks want two splits a member (512 programs) ...
-    assert group_k_per_split([14336, 14336], row_blocks=128, block_k=64, sms=132) == 7168
+    assert group_k_per_split([14336, 14336], tiles=128, block_k=64, sms=132) == 7168
     # ... 256 row blocks (bf16 weights, 8192 tokens) are 512 programs unsplit.
-    assert group_k_per_split([14336, 14336], row_blocks=256, block_k=128, sms=132) == 14336
+    assert group_k_per_split([14336, 14336], tiles=256, block_k=128, sms=132) == 14336
     # 2048 tokens, q/k/v: q in ten splits of 7 steps, k and v in three: 32 x 16 = 512 programs
     # (splits of 8 steps, q in eight, would make 384, short of 396).
-    assert group_k_per_split([4096, 1024, 1024], row_blocks=32, block_k=64, sms=132) == 448
+    assert group_k_per_split([4096, 1024, 1024], tiles=32, block_k=64, sms=132) == 448
     # At least four column steps a split, however few the programs.
-    assert group_k_per_split([512, 512], row_blocks=2, block_k=64, sms=132) == 256
+    assert group_k_per_split([512, 512], tiles=2, block_k=64, sms=132) == 256
     # A widest member under eight steps stays whole (four steps a split at the least).
-    assert group_k_per_split([96, 64], row_blocks=1, block_k=16, sms=1) == 96
+    assert group_k_per_split([96, 64], tiles=1, block_k=16, sms=1) == 96
 
 
 def test_single_shrink_split_rule():
@@ -192,6 +192,14 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     assert asked == [(list(widths), row_blocks, config.block_k, sms)]
     assert scratch_sizes == [((1 + 1 + 3) * m * 5, 3 * row_blocks)]  # 48 columns: 1, 1 and 3 splits
     assert rel_err(got, _truth(xs, weights, scales)) < 1e-5
+    # Members of rank 70 (two 64-wide rank tiles each): the rule is told every rank tile's programs.
+    asked.clear(), scratch_sizes.clear()
+    wide_xs, wide_weights, _ = _members(m, widths, BF16, FP32, rank=70)
+    got = lora_terms.lora_shrink_stacked(wide_xs, wide_weights, scales)
+    wide_config = lora_terms._shrink_config(wide_xs[0], wide_weights[0], grouped=True)
+    assert wide_config.block_r == 64
+    assert asked == [(list(widths), 2 * -(-m // wide_config.block_m), wide_config.block_k, sms)]
+    assert rel_err(got, _truth(wide_xs, wide_weights, scales)) < 1e-5
     asked.clear(), scratch_sizes.clear()
     got = lora_terms.lora_shrink(xs[2], weights[2], scales[2])
     assert asked == [(row_blocks, -(-130 // config.block_k), True, sms, 7)]
@@ -226,6 +234,15 @@ def test_stacked_shrink_takes_its_split_from_the_rules(monkeypatch):
     assert asked == [(-(-m // 64), 1, True, sms, 1)]
     assert shared_asked == []
     assert rel_err(got, xs[0].double() @ wide_bf16.double().T) < 1e-5
+    # Past 64 ranks (a q/k/v group's stacked A at rank 64): 64-wide rank tiles, and the rule is told
+    # the programs of every rank tile.
+    asked.clear(), shared_asked.clear()
+    wider = torch.randn(130, 40, device=DEVICE)
+    got = lora_terms.lora_shrink(xs[0], wider)
+    wider_config = lora_terms._shrink_config(xs[0], wider)
+    assert (wider_config.block_m, wider_config.block_r) == (128, 64)
+    assert asked == [(-(-m // 128) * 3, -(-40 // 64), True, sms, 7)]
+    assert rel_err(got, xs[0].double() @ wider.double().T) < 1e-5
 
 
 @pytest.mark.parametrize(

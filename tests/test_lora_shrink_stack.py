@@ -18,7 +18,7 @@ from test_lora_shrink_group import DEVICE, TEST_BLOCK_M, needs_triton
 from fastlora_peft.dtypes import plan_projection_dtypes
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights
 from fastlora_peft.functions.shared_input import fused_lora_projections
-from fastlora_peft.kernels import lora_shrink_stack
+from fastlora_peft.kernels import lora_shrink_stack, lora_terms
 from fastlora_peft.kernels.lora_shrink_stack import (
     _lora_shrink_stack_triton,
     lora_shrink_stacking_weights,
@@ -61,6 +61,46 @@ def test_kernel_matches_float64_and_stacks_the_transpose_exactly(ranks, x_dtype,
     assert weight_t.is_contiguous() and torch.equal(weight_t, torch.cat(weights).t())
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "ranks, weight_dtype", [((16, 16, 16), BF16), ((32, 32, 32), FP32), ((48, 40), BF16)]
+)
+def test_the_launch_takes_the_tiles_of_all_the_ranks(ranks, weight_dtype, monkeypatch):
+    """The stack launches with `lora_shrink`'s tiles for one weight of every member's ranks (rank
+    tile, row and column steps, warps, stages), not for its first member's alone: 48 ranks take one
+    64-wide tile and the wide launch, where 16 would take a 16-wide tile and 32-row steps."""
+    from test_kernels_lora_terms import _recorded_launches
+
+    launches = _recorded_launches(monkeypatch)
+    x, weights = _operands(37, 70, ranks, BF16, weight_dtype)
+    xa, _ = _lora_shrink_stack_triton(x=x, weights=weights)
+    assert rel_err(xa, _truth(x, weights)) < 1e-5
+    config = lora_terms._shrink_config(x, torch.cat(weights))
+    assert config != lora_terms._shrink_config(x, weights[0])  # the test tells them apart
+    ((_, _, meta),) = [launch for launch in launches if "stack" in launch[0]]
+    names = ("BLOCK_R", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
+    expected = (config.block_r, config.block_m, config.block_k, config.num_warps, config.num_stages)
+    assert tuple(meta[name] for name in names) == expected, meta
+
+
+@needs_triton
+@pytest.mark.parametrize("weight_dtype", [BF16, FP32])
+def test_the_split_rule_is_told_every_rank_tile(weight_dtype, monkeypatch):
+    """Past 64 ranks (here 140: three 64-wide tiles) the K-split rule is told the programs of every
+    rank tile, as `lora_shrink`'s launch tells it."""
+    from fastlora_peft.kernels._launch import LaunchPlans
+
+    monkeypatch.setattr(LaunchPlans, "enabled", False)
+    asked = []
+    monkeypatch.setattr(lora_shrink_stack, "shrink_splits", lambda *args: asked.append(args) or 2)
+    x, weights = _operands(37, 70, (70, 50, 20), BF16, weight_dtype)
+    xa, _ = _lora_shrink_stack_triton(x=x, weights=weights)
+    assert rel_err(xa, _truth(x, weights)) < 1e-5
+    config = lora_terms._shrink_config(x, torch.cat(weights))
+    assert config.block_r == 64
+    assert [args[0] for args in asked] == [-(-37 // config.block_m) * 3]
+
+
 @pytest.mark.parametrize(
     "change",
     ["dtypes", "transposed", "four", "one"],
@@ -88,9 +128,9 @@ def test_what_one_launch_reads():
     assert not stacks_in_one_launch(x[:0], weights)  # no tokens
     assert not stacks_in_one_launch(x, [weights[0], weights[1][:0]])  # a member of rank 0
     assert not stacks_in_one_launch(x, [weights[0], torch.randn(5, 128)[:, :64]])  # other strides
-    # Past one rank tile (two passes over x) the cat and one shrink were faster.
+    # Any number of ranks (past 64, 64-wide rank tiles, as lora_shrink's).
     x, weights = _operands(9, 64, (64, 64), BF16, FP32)
-    assert stacks_in_one_launch(x, weights) and not stacks_in_one_launch(x, [*weights, weights[0][:1]])
+    assert stacks_in_one_launch(x, weights) and stacks_in_one_launch(x, [*weights, weights[0][:1]])
 
 
 def test_float64_runs_the_reference_and_opcheck():

@@ -113,18 +113,18 @@ GROUP_PROGRAMS_PER_SM = 3
 GROUP_BALANCE = 2
 
 
-def group_k_per_split(widths: Sequence[int], row_blocks: int, block_k: int, sms: int) -> int:
+def group_k_per_split(widths: Sequence[int], tiles: int, block_k: int, sms: int) -> int:
     """The columns of one split, for every member: the widest member cut evenly into the fewest splits
-    that give every SM about GROUP_PROGRAMS_PER_SM programs over all the members, each split no
-    longer than GROUP_BALANCE times the narrowest member's columns and at least four column steps
-    long (or the widest member whole, when it is shorter than that). Narrower members are cut into
-    splits of the same length."""
+    that give every SM about GROUP_PROGRAMS_PER_SM programs over all the members (`tiles`: a
+    member's row blocks x rank tiles), each split no longer than GROUP_BALANCE times the narrowest
+    member's columns and at least four column steps long (or the widest member whole, when it is
+    shorter than that). Narrower members are cut into splits of the same length."""
     steps = [cdiv(width, block_k) for width in widths]
     widest, narrowest = max(steps), min(steps)
     length = widest
     for count in range(1, widest // 4 + 1):  # count <= widest / 4: every split at least 4 steps
         length = cdiv(widest, count)
-        programs = row_blocks * sum(cdiv(member, length) for member in steps)
+        programs = tiles * sum(cdiv(member, length) for member in steps)
         if programs >= GROUP_PROGRAMS_PER_SM * sms and length <= GROUP_BALANCE * narrowest:
             break
     return length * block_k
@@ -178,7 +178,7 @@ def launch_shrink_group(
     M, R = xs[0].shape[0], weights[0].shape[0]
     widths = [x.shape[1] for x in xs]
     row_blocks, r_tiles = cdiv(M, block_m), cdiv(R, block_r)
-    k_per_split = k_per_split or group_k_per_split(widths, row_blocks, block_k, sms)
+    k_per_split = k_per_split or group_k_per_split(widths, row_blocks * r_tiles, block_k, sms)
     splits = [cdiv(width, k_per_split) for width in widths]
     split = max(splits) > 1
     scratch = (sum(splits) * M * R, len(xs) * row_blocks * r_tiles) if split else None

@@ -32,7 +32,7 @@ from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
-from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _programs_per_sm, _rank_block
+from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _programs_per_sm
 from fastlora_peft.kernels.dots import dot_precision
 from fastlora_peft.kernels.lora_terms import (
     _check_shrink,
@@ -92,27 +92,24 @@ def _lora_shrink_stack_kernel(
     store_weight_t(w_rows, WeightT_ptr, k_first, k_end, k_step, R, offs_r, mask_r, stride_wk, BLOCK_K)
 
 
-# The most ranks the kernel takes: one rank tile, so x is read once. Over more (two tiles), with fp32
-# adapters it was slower than the cat and `lora_shrink`: q/k/v at rank 64 each (192), kernel time
-# with L2 flushed, 103.4 against 97.6 us at 2048 tokens, 356.9 against 319.0 at 8192 (bf16 adapters
-# about even); at rank 16 (48) it was 2-3 us faster in every case, with fp32 or bf16 adapters, for
-# q/k/v and gate/up (`docs/benchmarks/session39/b/stack_probe.log`).
-MAX_RANKS = 128
+# Any number of ranks: over 64 the tiles are 64 wide (`shrink_rank_block`) and the stack matched
+# the cat and `lora_shrink` on the same tiles, kernel time with L2 flushed, x [8192, 4096] bf16, us:
+# 2 x 64 ranks fp32 / bf16 63.5 / 44.4 against 2.7 + 62.2 / 2.4 + 44.5, 3 x 64 113.7 / 62.3 against
+# 3.3 + 113.7 / 2.7 + 62.2, 2 x 128 113.6 / 80.2 against 3.8 + 116.1 / 2.9 + 79.6 (H200,
+# `python3 scratch_gpu/stack_wide_probe.py`, `docs/benchmarks/session45/c/s45_c.log`). It stopped at
+# 128 ranks while those took one 128-wide tile, slower than the cat and shrink past it (session 39).
 
 
 def stacks_in_one_launch(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """Whether the kernel reads the members as one weight: 2 to MAX_MEMBERS of them, one dtype and one
-    set of strides, each row contiguous (lora_A as PEFT makes it), at most MAX_RANKS ranks in all,
-    and every dimension non-empty."""
+    set of strides, each row contiguous (lora_A as PEFT makes it), and every dimension non-empty."""
     if not 1 < len(weights) <= MAX_MEMBERS or x.shape[0] == 0 or x.shape[1] == 0:
         return False
     first = weights[0]
-    ranks = 0
     for weight in weights:
         if weight.dtype != first.dtype or weight.stride() != first.stride() or weight.shape[0] == 0:
             return False
-        ranks += weight.shape[0]
-    return first.stride(1) == 1 and ranks <= MAX_RANKS
+    return first.stride(1) == 1
 
 
 class _StackPlan(NamedTuple):
@@ -159,7 +156,7 @@ def _lora_shrink_stack_triton(
     ranks = [weight.shape[0] for weight in weights]
     R = sum(ranks)
     # `lora_shrink`'s launch for x against one weight of all the ranks (the members' dtype and layout).
-    config = _shrink_config(x, weights[0], block_r=_rank_block(R, cap=128))
+    config = _shrink_config(x, weights[0], ranks=R)
     block_r = config.block_r
     block_m, block_k = block_m or config.block_m, block_k or config.block_k
     num_warps, num_stages = config.num_warps, config.num_stages
@@ -171,7 +168,8 @@ def _lora_shrink_stack_triton(
                 block_m, block_k, block_r, num_stages, x.element_size(), weights[0].element_size()
             )
             per_sm = _programs_per_sm(x.device, shared_bytes)
-        split = shrink_splits(row_blocks, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
+        tiles = row_blocks * cdiv(R, block_r)
+        split = shrink_splits(tiles, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
     k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
     split = cdiv(K, k_per_split)  # no empty splits
     out = empty_2d(M, R, torch.float32, x.device, column_major=True)

@@ -166,12 +166,22 @@ _WIDE_SPLIT_LAUNCH = (128, 64, 8, 3)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 # twice the splits: 2048 tokens in eight, 4096 in four. Not timed with these tiles; with 3 stages,
 # four splits at 4096 tokens read 15.8 against 14.6 for this launch's two.
 _WIDE_NATIVE_LAUNCH = (64, 128, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
+# 16-bit weights past 64 ranks (64-wide tiles, `shrink_rank_block`; a q/k/v group's stacked A at rank
+# 32 and more, a rank-128 adapter): 64-wide K steps, one wave of one program per SM. H200, x [8192,
+# 4096] bf16, kernel time with L2 flushed, us, `_WIDE_NATIVE_LAUNCH` on the same tiles against this:
+# 96 ranks 44.0 -> 34.2, 128 44.3 -> 34.6, 192 62.1 -> 35.6 (one 128-wide tile of 32 x 128 steps,
+# the launch before: 55.6, 53.2, and two tiles at 192, 106.6). Of the 20 launches x K splits timed
+# it was the fastest at 192; at 96 and 128 a 128-wide tile of 64 x 64 steps, 8 warps, two K splits
+# read 29.2 and 30.7 (`python -m benchmarks.tune_lora_terms --high-rank`,
+# `docs/benchmarks/session45/c/s45_c.log`).
+_MANY_RANKS_NATIVE_LAUNCH = (64, 64, 4, 4)
 
 
-def shrink_splits(row_blocks: int, k_steps: int, fills_wave: bool, sms: int, per_sm: int) -> int:
-    """How many splits `lora_shrink` cuts K into (about four K steps long at the least). With few row
-    blocks (a few thousand tokens) each program would walk all of K alone, latency-bound; the splits
-    give the SMs more programs, at the cost of fp32 partials of M * R * 4 bytes each.
+def shrink_splits(tiles: int, k_steps: int, fills_wave: bool, sms: int, per_sm: int) -> int:
+    """How many splits `lora_shrink` cuts K into (about four K steps long at the least). With few
+    tiles (row blocks x rank tiles: a few thousand tokens) each program would walk all of K alone,
+    latency-bound; the splits give the SMs more programs, at the cost of fp32 partials of M * R * 4
+    bytes each.
 
     fills_wave: the launch's tiles want one wave of `per_sm` programs an SM (`_ShrinkConfig.fills_wave`).
     16-bit weights over a rank tile of at most 16 split only below one row block per SM, into about
@@ -190,10 +200,10 @@ def shrink_splits(row_blocks: int, k_steps: int, fills_wave: bool, sms: int, per
     against 41.4 in seven."""
     most = cdiv(k_steps, 4)
     if fills_wave:
-        return one_wave_splits(row_blocks, per_sm * sms, most)
-    if row_blocks >= sms:
+        return one_wave_splits(tiles, per_sm * sms, most)
+    if tiles >= sms:
         return 1
-    return min(cdiv(2 * sms, row_blocks), most)
+    return min(cdiv(2 * sms, tiles), most)
 
 
 def shrink_shared_bytes(
@@ -204,6 +214,18 @@ def shrink_shared_bytes(
     (228 KiB an SM) four at rank 16, three at rank 32 (64 x 64 tiles, four stages), two for the wide
     tile (`_WIDE_SPLIT_LAUNCH`), with bf16 x and fp32 weights."""
     return num_stages * (block_m * block_k * x_bytes + block_k * block_r * weight_bytes)
+
+
+def shrink_rank_block(ranks: int) -> int:
+    """The shrinks' rank tile for `ranks` ranks: up to 64 one tile covers them all, so x is streamed
+    from memory once; past 64, tiles of 64 (each rank tile's programs read x again, in part from L2).
+    One 128-wide tile was 2.5-3x slower than two or three 64-wide ones. H200, x [8192, 4096] bf16,
+    kernel time with L2 flushed, us, the default launches before -> after: fp32 A (the split dot) of
+    96 ranks (q/k/v at rank 32) 161.4 -> 65.4, 128 ranks 166.6 -> 62.4, 192 (q/k/v at rank 64) 336.4
+    -> 114.1, 384 (rank 128) 496.8 -> 191.7; bf16 A of 192 ranks 107.7 -> 35.6 with
+    `_MANY_RANKS_NATIVE_LAUNCH` (`python -m benchmarks.tune_lora_terms --high-rank`,
+    `docs/benchmarks/session45/b/tune_high_rank.log` and `c/s45_c.log`)."""
+    return _rank_block(ranks, cap=64)
 
 
 class _ShrinkConfig(NamedTuple):
@@ -223,9 +245,14 @@ class _ShrinkConfig(NamedTuple):
 
 
 def _shrink_config(
-    x: torch.Tensor, weight: torch.Tensor, block_r: int | None = None, grouped: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_r: int | None = None,
+    grouped: bool = False,
+    ranks: int | None = None,
 ) -> _ShrinkConfig:
-    """block_r: a rank tile the caller chose (tests, tuners), which the warps and wide tiles follow.
+    """ranks: the ranks of the whole launch (a stack of members' weights), default weight's.
+    block_r: a rank tile the caller chose (tests, tuners), which the warps and wide tiles follow.
     grouped: the tiles of `lora_shrink_group`'s members, which keep 32-row tiles with 16-bit weights
     over a wide rank tile: H200, q/k/v's three dY_i @ B_i with bf16 B at ranks 32 and 64, kernel time,
     us, 32-row tiles against `_WIDE_NATIVE_LAUNCH`: 13.7 / 15.2 and 18.3 / 22.7 at 2048 tokens, 36.0 /
@@ -233,15 +260,16 @@ def _shrink_config(
     (`docs/benchmarks/session31/native_wide_group_probe.log`)."""
     mode = dot_mode(x, weight)
     copy_weight = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
-    # Up to rank 128 one program covers every rank, so x is streamed from memory exactly once.
-    block_r = block_r or _rank_block(weight.shape[0], cap=128)
+    ranks = ranks or weight.shape[0]
+    block_r = block_r or shrink_rank_block(ranks)
     sixteen_bit = torch.float32 not in (x.dtype, weight.dtype)
     block_m, block_k = _SHRINK_TILES[NATIVE_DOT if sixteen_bit else mode]
     num_warps, num_stages = 8 if block_r > 64 else 4, 4
-    if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only
+    if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only (ranks 48 to 384)
         block_m, block_k, num_warps, num_stages = _WIDE_SPLIT_LAUNCH
-    if sixteen_bit and 32 <= block_r <= 64 and not grouped:  # measured there only (ranks 32, 48 and 64)
-        block_m, block_k, num_warps, num_stages = _WIDE_NATIVE_LAUNCH
+    if sixteen_bit and 32 <= block_r <= 64 and not grouped:  # measured there only (ranks 32 to 192)
+        launch = _MANY_RANKS_NATIVE_LAUNCH if ranks > 64 else _WIDE_NATIVE_LAUNCH
+        block_m, block_k, num_warps, num_stages = launch
         return _ShrinkConfig(mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages, True, 1)
     return _ShrinkConfig(
         mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages, mode == SPLIT_DOT
@@ -303,7 +331,8 @@ def _lora_shrink_triton(
                 block_m, block_k, block_r, num_stages, x.element_size(), weight.element_size()
             )
             per_sm = _programs_per_sm(x.device, shared_bytes)
-        split = shrink_splits(row_blocks, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
+        tiles = row_blocks * cdiv(R, block_r)
+        split = shrink_splits(tiles, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
     k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
     split = cdiv(K, k_per_split)  # no empty splits
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
