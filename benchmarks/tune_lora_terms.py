@@ -165,9 +165,9 @@ _HIGH_RANK_SHRINK_CONFIGS = (
 
 
 def tune_high_rank_shrink(rows: int, k: int, rank: int, weight_dtype: torch.dtype) -> None:
-    """x @ W.T over more than one 64-wide rank tile (q/k/v's stacked A at rank 64 and more, past the
-    stack kernel's 128 ranks a contiguous [R, K] cat): the default launch against tiles x rank tiles
-    x K splits, timed by kernel (`kernel_times_us`)."""
+    """x @ W.T past 64 ranks, W one contiguous [R, K] weight (q/k/v's stacked A at rank 32 and more;
+    the stack kernel, which reads the members' As where they are, takes the same tiles): the default
+    launch against tiles x rank tiles x K splits, timed by kernel (`kernel_times_us`)."""
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(rank, k, device="cuda").to(weight_dtype)
     launches = {"default": lambda: lt._lora_shrink_triton(x=x, weight=weight)}
@@ -436,7 +436,8 @@ def main() -> None:
             tune_weight_grad_kernels(8192, (r, r, r), (4096, 1024, 1024), f"q/k/v dB r={r}")
         return
     if "--high-rank" in sys.argv:
-        # Shrinks past 64 ranks: q/k/v's stacked x @ A.T at rank 32 / 64 / 128 (3r ranks), one at 128.
+        # Shrinks past 64 ranks: q/k/v's stacked x @ A.T at rank 32 / 64 / 128 (3r ranks); 128 ranks
+        # are gate/up's at rank 64 or one rank-128 adapter.
         shrinks = ((96, torch.float32), (96, bf16), (128, torch.float32), (128, bf16), (192, torch.float32))
         for rank, dtype in (*shrinks, (192, bf16), (384, torch.float32)):
             tune_high_rank_shrink(8192, 4096, rank, dtype)
