@@ -182,6 +182,25 @@ def test_lora_shrink_stacked(name, x_dtype, w_dtype, rows, layout, monkeypatch):
         start += rank
 
 
+@pytest.mark.parametrize("rank", [80, 130])  # two and three 64-wide rank tiles
+@pytest.mark.parametrize("name, x_dtype, w_dtype", DTYPE_CASES, ids=[case[0] for case in DTYPE_CASES])
+def test_shrinks_past_64_ranks_in_every_dtype_case(name, x_dtype, w_dtype, rank, monkeypatch):
+    """A lone shrink (lora_a as PEFT stores it) and a group's dY_i @ B_i (lora_b.T) past 64 ranks, with
+    their default launches (64-wide rank tiles, `shrink_rank_block`), against float64."""
+    launches = _recorded_launches(monkeypatch)
+    tol = SPLIT_TOLERANCE if (x_dtype, w_dtype) == (BF16, FP32) else TOLERANCE[FP32]
+    x, weight = _make(37, 70, x_dtype, "contig"), _make(rank, 70, w_dtype, "contig")
+    _check_op("lora_shrink", (x, weight, SCALE), SCALE * (x.double() @ weight.double().T), FP32, tol)
+    xs = [_make(37, k, x_dtype, "contig") for k in (70, 19)]
+    weights = [_make(rank, k, w_dtype, "transposed") for k in (70, 19)]
+    got = lora_terms.lora_shrink_stacked(xs, weights, [0.5, 1.5])
+    for start, x_i, weight_i, scale in ((0, xs[0], weights[0], 0.5), (rank, xs[1], weights[1], 1.5)):
+        assert_rel_close(got[:, start : start + rank], scale * (x_i.double() @ weight_i.double().T), tol)
+    if EXPECT_TRITON:
+        assert launches, "the shrinks made no launch"
+        assert {meta["BLOCK_R"] for _, _, meta in launches} == {64}, [m for _, _, m in launches]
+
+
 def _recorded_launches(monkeypatch) -> list[tuple]:
     """(kernel name, args, meta) of every launch as the launchers decide it: plans off (a plan would
     replay an earlier decision; tests/test_launch_plans.py pins that it passes what the launcher would)."""
@@ -218,7 +237,9 @@ def test_lora_shrink_split_dot_over_a_64_wide_rank_tile(layout, monkeypatch):
             assert {name: meta[name] for name in names} == expected, meta
 
 
-@pytest.mark.parametrize("weight_dtype, rank", [(BF16, 48), (BF16, 32), (FP16, 64), (BF16, 16), (BF16, 80)])
+@pytest.mark.parametrize(
+    "weight_dtype, rank", [(BF16, 48), (BF16, 32), (FP16, 64), (BF16, 16), (BF16, 80), (FP16, 80)]
+)
 def test_lora_shrink_16_bit_weight_over_a_wide_rank_tile(weight_dtype, rank, monkeypatch):
     # 16-bit adapters over a rank tile of 32 to 64 (a q/k/v group's stacked A at rank 48, an MLP's
     # gate/up at 32) take lora_terms' _WIDE_NATIVE_LAUNCH; a rank tile of 16 keeps 32-row tiles; past
