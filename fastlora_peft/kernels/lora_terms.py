@@ -170,9 +170,9 @@ _WIDE_NATIVE_LAUNCH = (64, 128, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 # 32 and more, a rank-128 adapter): 64-wide K steps, one wave of one program per SM. H200, x [8192,
 # 4096] bf16, kernel time with L2 flushed, us, `_WIDE_NATIVE_LAUNCH` on the same tiles against this:
 # 96 ranks 44.0 -> 34.2, 128 44.3 -> 34.6, 192 62.1 -> 35.6 (one 128-wide tile of 32 x 128 steps,
-# the launch before: 55.6, 53.2, and two tiles at 192, 106.6). Of the 20 launches x K splits timed
-# it was the fastest at 192; at 96 and 128 a 128-wide tile of 64 x 64 steps, 8 warps, two K splits
-# read 29.2 and 30.7 (`python -m benchmarks.tune_lora_terms --high-rank`,
+# the launch before: 55.6, 53.2, and two tiles at 192, 106.6). Of the 20 launches timed (10 tilings,
+# each unsplit and in two K splits) it was the fastest at 192; at 96 and 128 a 128-wide tile of 64 x
+# 64 steps, 8 warps, two K splits read 29.2 and 30.7 (`python -m benchmarks.tune_lora_terms --high-rank`,
 # `docs/benchmarks/session45/c/s45_c.log`).
 _MANY_RANKS_NATIVE_LAUNCH = (64, 64, 4, 4)
 
