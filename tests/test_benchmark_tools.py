@@ -105,6 +105,20 @@ def test_wide_split_probe_is_as_exact_as_the_library_split_shrink():
     assert max(errors) < 1e-6, done.stdout
 
 
+def test_term_tiling_probe_computes_every_kernel_with_every_tiling():
+    """benchmarks/term_tiling_probe.py under the interpreter: each TMA kernel, bf16 and fp32 adapters,
+    two tilings of a 70-rank term, against float64 (its GPU timings mean something only if so)."""
+    command = [sys.executable, "-m", "benchmarks.term_tiling_probe", "--smoke"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if " | " in line]
+    errors = [float(cell.split("(")[1].rstrip(")")) for row in rows for cell in row.split(" | ")[1:]]
+    assert len(rows) == 12 and len(errors) == 24, done.stdout
+    # One bf16 rounding (the interpreter truncates: ~3.4e-3); a term dropped or cut short is ~1.
+    assert max(errors) < 1e-2, done.stdout
+
+
 def test_kernel_ab_credits_each_activity_to_the_step_that_holds_its_start():
     from benchmarks.kernel_ab import Activity, Window, credit_to_arms
 

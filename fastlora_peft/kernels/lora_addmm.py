@@ -212,6 +212,26 @@ INTERPRETER_CONFIG = (32, 32, 32, 4, 1)
 RANK_TILE = 16
 
 
+# From this many ranks on (four rank tiles), a TMA kernel's term pipelines its rank loop,
+# RANK_STAGES_MANY deep. H200, 8192 tokens, do_bench with L2 flushed, two rounds (`python -m
+# benchmarks.term_tiling_probe`, forty-sixth session, docs/benchmarks/session46/term_tiling_probe_*):
+# the q/k/v dX sum at rank 64 (192 ranks, twelve trips) 718-756 -> 668-684 us, at rank 128 845-884 ->
+# 720-767; the q/k/v forward group at rank 64 671-693 -> 649-661; down's dX at rank 128 1676-1726 ->
+# 1595-1634; at 2048 tokens the sum at rank 128 207-218 -> 174-186. At two trips (rank 32 of one
+# projection) 3 stages read up to 8% slower, at one trip up to 12%, as the thirty-third session
+# found (`_tile_with_term`). 32-wide tiles and 4 stages were no better than 16 x 3 overall.
+PIPELINED_TERM_RANKS = 64
+RANK_STAGES_MANY = 3
+
+
+def term_tiling(ranks: int) -> tuple[int, int]:
+    """(ranks per tile, software-pipelining stages) of a TMA kernel's term over `ranks` ranks (the
+    most of any member): `_tile_with_term`'s BLOCK_R and RANK_STAGES. Compiled for sm_90, the three
+    kernels asked for the same shared memory (213-214 KB) with every tiling the probe times; the
+    fit is checked in `tests/test_lora_addmm_group.py`."""
+    return RANK_TILE, RANK_STAGES_MANY if ranks >= PIPELINED_TERM_RANKS else 1
+
+
 @triton.jit
 def _grouped_tile(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
     """(row block, column block) of output tile `tile`: tiles go GROUP_M row blocks per column block,
@@ -227,18 +247,19 @@ def _tile_with_term(
     Left_ptr, Right_ptr, tile, blocks_m, blocks_n, M, N, R, scale,
     stride_lm, stride_lr, stride_rn, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RANK_STAGES: tl.constexpr,
 ):  # fmt: skip
     """(first row, first column, fp32 accumulator holding scale * Left @ Right^T there) of output
     tile `tile` in grouped order: how each TMA kernel (here, `lora_addmm_sum`, `lora_addmm_group`)
     starts a tile, the term ahead of the K loop.
 
-    The rank loop is not software-pipelined (`RANK_STAGES=1`): pipelined with the kernel's stages,
-    its one trip at rank 16 turned the term's loads into cp.async copies and waits ahead of every
-    tile's K loop. H200, thirty-third session, do_bench against the same kernel with the loads plain
-    (`docs/benchmarks/session33/term_latency_probe*.log`): the pipelined term cost 8-22 us more per
-    o_proj-sized GEMM (8192 x 4096 x 4096), 67 at down's dX (N = 14336) and 3 at 2048 tokens; the term
-    with plain loads costs 0-2% over the same GEMM without a term.
+    RANK_STAGES is `term_tiling`'s: 1 (plain loads) below `PIPELINED_TERM_RANKS`. Pipelined with
+    the kernel's stages, the rank loop's one trip at rank 16 turned the term's loads into cp.async
+    copies and waits ahead of every tile's K loop. H200, thirty-third session, do_bench against the
+    same kernel with the loads plain (`docs/benchmarks/session33/term_latency_probe*.log`): the
+    pipelined term cost 8-22 us more per o_proj-sized GEMM (8192 x 4096 x 4096), 67 at down's dX
+    (N = 14336) and 3 at 2048 tokens; the term with plain loads costs 0-2% over the same GEMM
+    without a term.
     """
     pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -246,7 +267,8 @@ def _tile_with_term(
     acc = scale * expand_term(
         Left_ptr, Right_ptr, offs_m.to(tl.int64), offs_m < M, offs_n, offs_n < N, R,
         stride_lm, stride_lr, stride_rn, stride_rr,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION, RANK_STAGES=1,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+        RANK_STAGES=RANK_STAGES,
     )  # fmt: skip
     return pid_m * BLOCK_M, pid_n * BLOCK_N, acc
 
@@ -381,7 +403,7 @@ def _lora_addmm_tma_kernel(
     M, N, K, R, scale, stride_lm, stride_lr, stride_rn, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, B_K_MAJOR: tl.constexpr, PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, RANK_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Out = A @ B + scale * Left @ Right^T as `_lora_addmm_kernel`, persistent: PROGRAMS programs walk
     the output tiles in grouped order, reading A, B (K-major: its [N, K] transpose) and writing Out
@@ -394,6 +416,7 @@ def _lora_addmm_tma_kernel(
             Left_ptr, Right_ptr, tile, blocks_m, blocks_n, M, N, R, scale,
             stride_lm, stride_lr, stride_rn, stride_rr,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION,
+            RANK_STAGES=RANK_STAGES,
         )  # fmt: skip
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([off_m, k0])
@@ -477,15 +500,16 @@ def _lora_addmm_tma_triton(
     )
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     programs = tma_programs(tiles, a.device)
+    rank_tile, rank_stages = term_tiling(left.shape[1])
     sizes = (M, N, K, left.shape[1])
     strides = (left.stride(0), left.stride(1), right.stride(0), right.stride(1))
     bound = _lora_addmm_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]), b_desc,
         TensorDescriptor.from_tensor(out, [block_m, block_n]), left, right,
         *sizes, float(scale), *strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE, GROUP_M=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_tile, GROUP_M=8,
         B_K_MAJOR=b_k_major, PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype),
-        FP32_DOT=not a.is_cuda, num_warps=warps, num_stages=stages,
+        FP32_DOT=not a.is_cuda, RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
         _TMA_PLANS.add(plan_key, _TmaPlan(bound, right_copied, b_k_major, (M, N), sizes, strides))

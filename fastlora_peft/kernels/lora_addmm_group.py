@@ -38,7 +38,6 @@ from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_addmm import (
     _SIXTEEN_BIT,
-    RANK_TILE,
     LoraAddmmSettings,
     _auto_device_and_rows,
     _k_major,
@@ -46,6 +45,7 @@ from fastlora_peft.kernels.lora_addmm import (
     _tile_with_term,
     _transpose_fits_tma,
     lora_addmm,
+    term_tiling,
     tma_config,
     tma_programs,
 )
@@ -57,7 +57,7 @@ def _member_tile(
     a_desc, b_desc, out_desc, Left_ptr, Right_ptr, tile, M, N, K, R, scale,
     stride_lm, stride_lr, stride_rn, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr, RANK_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Output tile `tile` (numbered within its member) of A @ B + scale * Left @ Right^T, B K-major
     (read as its [N, K] transpose)."""
@@ -65,6 +65,7 @@ def _member_tile(
         Left_ptr, Right_ptr, tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), M, N, R, scale,
         stride_lm, stride_lr, stride_rn, stride_rr,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION,
+        RANK_STAGES=RANK_STAGES,
     )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([off_m, k0])
@@ -85,7 +86,7 @@ def _lora_addmm_group_tma_kernel(
     stride_lm, stride_lr, stride_rn0, stride_rr0, stride_rn1, stride_rr1, stride_rn2, stride_rr2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, MEMBERS: tl.constexpr, PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, RANK_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Out_i = A @ B_i + scale_i * Left_i @ Right_i^T for i < MEMBERS, persistent: PROGRAMS programs
     walk member 0's tiles, then member 1's, then member 2's (slots past MEMBERS are not read). The
@@ -111,7 +112,7 @@ def _lora_addmm_group_tma_kernel(
             a_desc, b_desc, out_desc, Left_ptr, Right_ptr, local, M, N, K, R, scale,
             stride_lm, stride_lr, stride_rn, stride_rr,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M,
-            DOT_PRECISION=DOT_PRECISION, FP32_DOT=FP32_DOT,
+            DOT_PRECISION=DOT_PRECISION, FP32_DOT=FP32_DOT, RANK_STAGES=RANK_STAGES,
         )  # fmt: skip
 
 
@@ -222,6 +223,7 @@ def _lora_addmm_group_tma_triton(
     slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]  # slots past the group repeat the last
     tiles = sum(cdiv(M, block_m) * cdiv(n, block_n) for n in widths)
     programs = tma_programs(tiles, a.device)
+    rank_tile, rank_stages = term_tiling(max(left_i.shape[1] for left_i in left))
     sizes = (M, *(widths[i] for i in slot), K, *(left[i].shape[1] for i in slot))
     right_strides = tuple(stride for i in slot for stride in right[i].stride())
     bound = _lora_addmm_group_tma_kernel[(programs,)](
@@ -230,9 +232,9 @@ def _lora_addmm_group_tma_triton(
         *(TensorDescriptor.from_tensor(outs[i], [block_m, block_n]) for i in slot),
         *(left[i] for i in slot), *(right[i] for i in slot),
         *sizes, *(float(scale[i]) for i in slot), *left[0].stride(), *right_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE, GROUP_M=8, MEMBERS=members,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_tile, GROUP_M=8, MEMBERS=members,
         PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype), FP32_DOT=not a.is_cuda,
-        num_warps=warps, num_stages=stages,
+        RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
         plan = _GroupPlan(bound, copied, tuple(widths), sizes, (*left[0].stride(), *right_strides))

@@ -34,13 +34,13 @@ from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans
 from fastlora_peft.kernels.dots import expand_dot_precision
 from fastlora_peft.kernels.lora_addmm import (
     _SIXTEEN_BIT,
-    RANK_TILE,
     LoraAddmmSettings,
     _auto_device_and_rows,
     _k_major,
     _rows_fit_tma,
     _tile_with_term,
     lora_addmm,
+    term_tiling,
     tma_config,
     tma_programs,
 )
@@ -69,7 +69,7 @@ def _lora_addmm_sum_tma_kernel(
     M, N, K0, K1, K2, R, scale, stride_lm, stride_lr, stride_rn, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, MEMBERS: tl.constexpr, PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, RANK_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Out = sum_{i < MEMBERS} A_i @ B_i + scale * Left @ Right^T: `_lora_addmm_tma_kernel`'s tiles and
     order, with one K loop per member (slots past MEMBERS are not read)."""
@@ -80,6 +80,7 @@ def _lora_addmm_sum_tma_kernel(
             Left_ptr, Right_ptr, tile, blocks_m, blocks_n, M, N, R, scale,
             stride_lm, stride_lr, stride_rn, stride_rr,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, GROUP_M=GROUP_M, DOT_PRECISION=DOT_PRECISION,
+            RANK_STAGES=RANK_STAGES,
         )  # fmt: skip
         acc = _member_k_loop(acc, a0_desc, b0_desc, K0, off_m, off_n, BLOCK_K=BLOCK_K, FP32_DOT=FP32_DOT)
         if MEMBERS > 1:
@@ -197,14 +198,15 @@ def _lora_addmm_sum_tma_triton(
         ]
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     programs = tma_programs(tiles, a[0].device)
+    rank_tile, rank_stages = term_tiling(left.shape[1])
     sizes = (M, N, *(a_i.shape[1] if i < members else 0 for i, (a_i, _) in enumerate(slots)), left.shape[1])
     strides = (left.stride(0), left.stride(1), right.stride(0), right.stride(1))
     bound = _lora_addmm_sum_tma_kernel[(programs,)](
         *descriptors, TensorDescriptor.from_tensor(out, [block_m, block_n]), left, right,
         *sizes, float(scale), *strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE, GROUP_M=8, MEMBERS=members,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_tile, GROUP_M=8, MEMBERS=members,
         PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a[0].dtype), FP32_DOT=not a[0].is_cuda,
-        num_warps=warps, num_stages=stages,
+        RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
         _SUM_PLANS.add(plan_key, _SumPlan(bound, right_copied, (M, N), sizes, strides))
