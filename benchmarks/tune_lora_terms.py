@@ -3,7 +3,10 @@
 python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-grad-unsplit
                                      | --weight-grad-kernels | --gated | --gated-forward
                                      | --split-shrink | --shrink-rows [--tokens=8192] | --high-rank
-                                     | --high-rank-grads]
+                                     | --high-rank-grads] [--rank=R ...]
+
+--rank=R (with --gated or --gated-forward, repeatable): the gated kernels at rank R, not 16; past 16
+with fp32 adapters only, each config with its default rank tile and, past 32 ranks, 32-wide tiles.
 
 Per shape: the default, then the fastest configs.
 
@@ -377,14 +380,12 @@ def tune_gated_lora_forward(
     default = _bench(fused)
     results = []
     tiles = ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (128, 32), (128, 64), (256, 32))
-    for (block_m, block_i), warps, stages in itertools.product(tiles, (4, 8), (1, 2, 3)):
-        config = dict(m=block_m, i=block_i, w=warps, s=stages)
+    block_rs = (None, 32) if rank > 32 else (None,)
+    for (block_m, block_i), warps, stages, block_r in itertools.product(tiles, (4, 8), (1, 2, 3), block_rs):
+        config = dict(m=block_m, i=block_i, w=warps, s=stages, r=block_r)
+        launch = dict(block_m=block_m, block_i=block_i, num_warps=warps, num_stages=stages, block_r=block_r)
         try:
-            timed = _bench(
-                lambda launch=dict(block_m=block_m, block_i=block_i, num_warps=warps, num_stages=stages): (
-                    fused(**launch)
-                )
-            )
+            timed = _bench(lambda launch=launch: fused(**launch))
             results.append((timed, config))
         except Exception as error:
             print(f"  skip {config}: {type(error).__name__}")
@@ -442,12 +443,16 @@ def main() -> None:
         for rank, dtype in (*shrinks, (192, bf16), (384, torch.float32)):
             tune_high_rank_shrink(8192, 4096, rank, dtype)
         return
+    # --rank=R (repeatable) times the gated kernels at those ranks instead of 16 (the rank sweep's).
+    ranks = [int(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("--rank=")] or [16]
     if "--gated-forward" in sys.argv:
-        for dtype in (bf16, fp32):
-            tune_gated_lora_forward(dtype)
+        for rank in ranks:
+            for dtype in (bf16, fp32) if rank == 16 else (fp32,):
+                tune_gated_lora_forward(dtype, rank=rank)
         return
     if "--gated" in sys.argv:
-        tune_gated_weight_grad()
+        for rank in ranks:
+            tune_gated_weight_grad(rank=rank)
         return
     if "--weight-grad-kernels" in sys.argv:
         # A backward's weight gradients at 8192 and 2048 tokens: q/k/v's stacked dA (rank 3 x 16) and

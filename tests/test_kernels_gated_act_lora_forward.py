@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from conftest import TRITON_INTERPRET, LaunchSpy, assert_rel_close, requires_interpreter
 
 from fastlora_peft.kernels import gated_act_lora_forward, gated_act_reference
+from fastlora_peft.kernels._lora_common import _rank_block
 from fastlora_peft.kernels.gated_act import gated_act_forward
 from fastlora_peft.kernels.gated_act_lora_forward import gated_act_lora_forward_, gated_act_lora_forward_op
 from fastlora_peft.kernels.lora_terms import lora_expand_add_
@@ -267,3 +268,38 @@ def test_opcheck(dtype):
     # Schema (gate and up declared mutated), fake tensor and dispatch checks of the registered op.
     gate_up, terms = make_inputs(Case(dtype, FP32, "gelu_tanh", 5, 19), "cpu", tokens=9, features=7)
     torch.library.opcheck(gated_act_lora_forward_op, (*halves(gate_up), "gelu_tanh", *terms))
+
+
+class _StagesSpy:
+    """Stands in for the kernel and records each launch's (num_stages, BLOCK_RG, BLOCK_RU)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launches.append((meta["num_stages"], meta["BLOCK_RG"], meta["BLOCK_RU"]))
+            return self.kernel[grid](*args, **meta)
+
+        return launch
+
+
+@requires_interpreter
+@pytest.mark.parametrize(
+    "dtype, ranks, stages",
+    [
+        (BF16, (16, 16), 1),  # plain tf32 at rank 16: one stage (the twentieth session's tuning)
+        (BF16, (63, 5), 1),
+        (BF16, (5, 64), 2),  # from 64 ranks of either term on: two (forty-sixth session)
+        (BF16, (70, 70), 2),
+        (FP16, (16, 16), 2),  # 3xTF32 into fp16: two at every rank
+    ],
+)
+def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, ranks, stages):
+    spy = _StagesSpy(gated_act_lora_forward._gated_act_lora_forward_kernel)
+    monkeypatch.setattr(gated_act_lora_forward, "_gated_act_lora_forward_kernel", spy)
+    gate_up, terms = make_inputs(Case(dtype, FP32, "silu", *ranks, block_m=None, block_i=None), "cpu")
+    gate, up = halves(gate_up.clone())
+    hidden = gated_act_lora_forward_(gate, up, "silu", *terms)
+    assert spy.launches == [(stages, *(_rank_block(rank, cap=64) for rank in ranks))]
+    assert_rel_close(hidden, float64_activation(gate, up, "silu"), TOLERANCE[dtype], "h vs float64")

@@ -41,6 +41,8 @@ from .gated_act import _activation_and_derivative, _check_inputs
 from .lora_expand_add import expand_term
 
 _OP = "gated_act_lora_forward_"
+# From this many ranks (gate's or up's) on, the default launch takes 2 stages whatever the precision.
+GATED_FORWARD_STAGED_RANKS = 64
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,7 +150,12 @@ def _gated_act_lora_forward_triton(
     # fp32 adapters into bf16 took plain tf32 too),
     # against 130 and 138us for the three launches it replaces; lora_expand_add's own tiles (32 x 256
     # and 64 x 128) took 111 and 124us here.
-    num_stages = num_stages or (1 if precision == "tf32" else 2)
+    # From 64 ranks on, 2 stages with plain tf32 too: H200, fp32 adapters, the same chunk (`python -m
+    # benchmarks.tune_lora_terms --gated-forward --rank=128 --rank=64`, forty-sixth session,
+    # docs/benchmarks/session46/tune_gated_forward.log): rank 128 199.2 -> 162.2us, rank 64 141.8 ->
+    # 125.1, the same tiles (no other of the 96 launches timed was faster).
+    many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
+    num_stages = num_stages or (1 if precision == "tf32" and not many_ranks else 2)
     grid = (cdiv(n_cols, block_i), cdiv(M, block_m))
     strides = (
         gate.stride(0), up.stride(0), h.stride(0),
