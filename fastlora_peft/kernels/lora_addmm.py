@@ -215,9 +215,9 @@ RANK_TILE = 16
 # From this many ranks on (four rank tiles), a TMA kernel's term pipelines its rank loop,
 # RANK_STAGES_MANY deep. H200, 8192 tokens, do_bench with L2 flushed, two rounds (`python -m
 # benchmarks.term_tiling_probe`, forty-sixth session, docs/benchmarks/session46/term_tiling_probe_*):
-# the q/k/v dX sum at rank 64 (192 ranks, twelve trips) 718-756 -> 668-684 us, at rank 128 845-884 ->
+# the q/k/v dX sum at rank 64 (192 ranks, twelve trips) 718-743 -> 668-684 us, at rank 128 846-884 ->
 # 720-767; the q/k/v forward group at rank 64 671-693 -> 649-661; down's dX at rank 128 1676-1726 ->
-# 1595-1634; at 2048 tokens the sum at rank 128 207-218 -> 174-186. At two trips (rank 32 of one
+# 1595-1634; at 2048 tokens the sum at rank 128 207-218 -> 173-186. At two trips (rank 32 of one
 # projection) 3 stages read up to 8% slower, at one trip up to 12%, as the thirty-third session
 # found (`_tile_with_term`). 32-wide tiles and 4 stages were no better than 16 x 3 overall.
 PIPELINED_TERM_RANKS = 64
