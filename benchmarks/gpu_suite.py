@@ -9,7 +9,9 @@ call, the wheels' install included, ran 441 s of its 600). Each part runs pytest
 listed, so a part's log reads the same from session to session. Pass no further `-q`: at `-qq`
 pytest drops its count line (a forty-third session log read as cut short for that). On a fresh
 machine part 1 took 150 s in the forty-third session: give it 240 s. Part 2 has grown: 524 s in the
-forty-sixth session (535 s of the call's 600), so a test file more goes to part 3.
+forty-sixth session (535 s of the call's 600), so a test file more goes to part 3, and its four sm_90
+compile checks (101 s of it) now skip where CUDA is (`conftest.compiles_for_sm90_on_cpu`; CI runs
+them on the CPU).
 
 Part 3 is every test file the first two do not name, except `CPU_ONLY`: a new test file lands in
 part 3 unless it is added to a part (`tests/test_benchmark_tools.py` checks that the parts cover

@@ -18,6 +18,7 @@ from conftest import (
     LAYOUTS,
     TRITON_INTERPRET,
     Layout,
+    compiles_for_sm90_on_cpu,
     copy_lora,
     count_lora_sublayer_calls,
     lora_grads,
@@ -442,6 +443,7 @@ for dtype, right_dtype in (("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"),
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
 
 
+@compiles_for_sm90_on_cpu
 def test_gpu_kernel_fits_hopper_shared_memory():
     import os
     import subprocess

@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, OpCounter, rel_err
+from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, OpCounter, compiles_for_sm90_on_cpu, rel_err
 from test_launch_plans import _ENCODED_ADDRESSES, _planned_and_unplanned, recorded_launches  # noqa: F401
 from test_lora_addmm_sum import QKV_SHAPES, SIXTEEN_BIT_LAYOUTS, _group, _group_dx
 
@@ -338,6 +338,7 @@ for (name, (fn, b_block)), (dtype, precision), (ranks, (rank_tile, rank_stages))
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
 
 
+@compiles_for_sm90_on_cpu
 def test_tma_kernels_fit_hopper_shared_memory_and_load_the_term_plainly():
     import os
     import subprocess

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, rel_err, requires_interpreter
+from conftest import (
+    FUNCTION_LAYOUTS,
+    TRITON_INTERPRET,
+    compiles_for_sm90_on_cpu,
+    rel_err,
+    requires_interpreter,
+)
 from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  # noqa: F401
 
 from fastlora_peft.dtypes import plan_projection_dtypes
@@ -409,6 +415,7 @@ for mode, weight_type in ((SPLIT_DOT, "fp32"), (NATIVE_DOT, "bf16")):
 """
 
 
+@compiles_for_sm90_on_cpu
 def test_grouped_kernel_compiles_to_lora_shrinks_loads_and_dots_on_hopper():
     """The grouped kernel's pick of a member must not cost its loop anything on the GPU: for sm_90 it
     compiles to the same shared memory and the same asynchronous copies (16-byte for x), loads and

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FUNCTION_LAYOUTS, TRITON_INTERPRET, rel_err, requires_interpreter
+from conftest import (
+    FUNCTION_LAYOUTS,
+    TRITON_INTERPRET,
+    compiles_for_sm90_on_cpu,
+    rel_err,
+    requires_interpreter,
+)
 from test_launch_plans import _THROUGH_CACHE, _same_launch, recorded_launches  # noqa: F401
 
 from fastlora_peft.dtypes import plan_projection_dtypes
@@ -453,6 +459,7 @@ for block_r, block_m in ((16, 64), (64, 128)):
 """
 
 
+@compiles_for_sm90_on_cpu
 def test_grouped_kernel_compiles_to_lora_weight_grads_loads_and_dots_on_hopper():
     """The grouped kernel's pick of a problem must not cost its loop anything on the GPU: for sm_90 it
     compiles to the same shared memory and the same asynchronous copies (16-byte for x), loads, stores
