@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks.harness import rel_err
 from fastlora_peft.kernels import lora_addmm, lora_addmm_group, lora_addmm_sum
 
 VARIANTS = ((16, 1), (16, 2), (16, 3), (16, 4), (32, 1), (32, 2), (32, 3), (64, 1))
@@ -39,10 +40,6 @@ def tiling(rank_tile: int, rank_stages: int):
     finally:
         for module, function in zip(_MODULES, saved):
             module.term_tiling = function
-
-
-def _rel_err(out: torch.Tensor, truth: torch.Tensor) -> float:
-    return ((out.double() - truth).norm() / truth.norm()).item()
 
 
 def cases(tokens: int, hidden: int, kv: int, inter: int, rank: int, right_dtype, device):
@@ -151,7 +148,7 @@ def cases(tokens: int, hidden: int, kv: int, inter: int, rank: int, right_dtype,
 def _error(out, truth) -> float:
     if isinstance(out, (list, tuple)):
         out = torch.cat(list(out), dim=1)
-    return _rel_err(out, truth)
+    return rel_err(out, truth.to(out.device))
 
 
 def main(argv=None) -> None:

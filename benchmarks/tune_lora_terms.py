@@ -5,8 +5,9 @@ python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-gr
                                      | --split-shrink | --shrink-rows [--tokens=8192] | --high-rank
                                      | --high-rank-grads] [--rank=R ...]
 
---rank=R (with --gated or --gated-forward, repeatable): the gated kernels at rank R, not 16; past 16
-with fp32 adapters only, each config with its default rank tile and, past 32 ranks, 32-wide tiles.
+--rank=R (with --gated or --gated-forward, repeatable): the gated kernels at rank R, not 16. Past 16,
+--gated-forward times fp32 adapters only, each config with its default rank tile and, past 32 ranks,
+32-wide tiles too; --gated times its usual grid at that rank.
 
 Per shape: the default, then the fastest configs.
 
