@@ -225,3 +225,86 @@ def test_rejects_grad_h_of_other_shape():
     gate = torch.randn(3, 5)
     with pytest.raises(ValueError, match=r"grad_h: expected shape \(3, 5\) \(gate's\), got \(4, 5\)"):
         gated_act_backward(torch.randn(4, 5), gate, gate, "silu")
+
+
+# --- gated_act_backward_keeping_hidden_: the gradients into gate/up, h into grad_h ------------------
+
+KEEPING_HIDDEN_CASES = [Case(dtype, act, 37, 130, "halves") for dtype in DTYPES for act in ACTIVATIONS]
+KEEPING_HIDDEN_CASES += [Case(torch.bfloat16, "silu", 1, 23), Case(torch.float16, "gelu_tanh", 37, 23)]
+
+
+def _keeping_hidden_inputs(case: Case, device: str):
+    """(grad_h, gate, up) as `_make_inputs` gives them, grad_h in a wider buffer of gate's dtype (the
+    op writes h into it, so it needs a unit column stride, as the MLP's dh has)."""
+    grad_h, gate, up = _make_inputs(case, device)
+    if case.layout == "halves":
+        assert grad_h.stride(0) == case.n_cols + 7 and gate.stride(0) == 2 * case.n_cols
+    return grad_h, gate, up
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", KEEPING_HIDDEN_CASES, ids=lambda case: case.id)
+def test_keeping_hidden_matches_reference_and_float64(case: Case, device: str, monkeypatch):
+    grad_h, gate, up = _keeping_hidden_inputs(case, device)
+    exact_h, exact_grad_gate, exact_grad_up = _float64_autograd(grad_h, gate, up, case.activation)
+    h_forward = gated_act_forward(gate, up, case.activation)  # the h the MLP's forward stored
+    grad_gate_ref, grad_up_ref = gated_act_reference.gated_act_backward(grad_h, gate, up, case.activation)
+    spy = LaunchSpy(gated_act._gated_act_backward_kernel)
+    monkeypatch.setattr(gated_act, "_gated_act_backward_kernel", spy)
+    buffers = (grad_h.data_ptr(), gate.data_ptr(), up.data_ptr())
+
+    gated_act.gated_act_backward_keeping_hidden_(grad_h, gate, up, case.activation)
+
+    assert (grad_h.data_ptr(), gate.data_ptr(), up.data_ptr()) == buffers, "in place, no new buffers"
+    assert len(spy.grids) == (1 if runs_triton(gate) else 0), "the kernel runs where Triton does"
+    tol = TOLERANCE[case.dtype]
+    for name, actual, expected in (
+        ("h (in grad_h)", grad_h, exact_h),
+        ("grad_gate (in gate)", gate, exact_grad_gate),
+        ("grad_up (in up)", up, exact_grad_up),
+    ):
+        assert_rel_close(actual, expected, tol, f"{name} vs float64")
+    # h is the forward's h to the bit: dA_down reads it as the fused kernel reads its recomputed h.
+    torch.testing.assert_close(grad_h, h_forward, rtol=0, atol=0)
+    torch.testing.assert_close(gate, grad_gate_ref)
+    torch.testing.assert_close(up, grad_up_ref)
+
+
+@pytest.mark.skipif(
+    not TRITON_INTERPRET, reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1"
+)
+def test_keeping_hidden_launches_once_and_plain_backward_writes_no_h(monkeypatch):
+    spy = LaunchSpy(gated_act._gated_act_backward_kernel)
+    monkeypatch.setattr(gated_act, "_gated_act_backward_kernel", spy)
+    grad_h, gate, up = _keeping_hidden_inputs(Case(torch.float32, "silu", 37, 130, "halves"), "cpu")
+    before = grad_h.clone()
+    gated_act.gated_act_backward_(grad_h, gate.clone(), up.clone(), "silu")
+    assert torch.equal(grad_h, before), "the plain in-place backward leaves grad_h alone"
+    gated_act.gated_act_backward_keeping_hidden_(grad_h, gate, up, "silu")
+    assert spy.grids == [(37,), (37,)]
+
+
+def test_keeping_hidden_opcheck():
+    grad_h, gate, up = _keeping_hidden_inputs(Case(torch.bfloat16, "silu", 5, 130, "halves"), "cpu")
+    torch.library.opcheck(gated_act._keeping_hidden_op, (grad_h, gate, up, "silu"))
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("grad_h-dtype", r"grad_h must be torch.bfloat16 \(gate's\), got torch.float32"),
+        ("grad_h-transposed", "grad_h, gate and up need a unit column stride"),
+        ("up-transposed", "grad_h, gate and up need a unit column stride"),
+    ],
+)
+def test_keeping_hidden_rejects_bad_inputs(name: str, message: str):
+    gate, up = torch.randn(6, 5, dtype=torch.bfloat16), torch.randn(6, 5, dtype=torch.bfloat16)
+    grad_h = torch.randn(6, 5, dtype=torch.bfloat16)
+    if name == "grad_h-dtype":
+        grad_h = grad_h.float()
+    elif name == "grad_h-transposed":
+        grad_h = torch.randn(5, 6, dtype=torch.bfloat16).t()
+    else:
+        up = torch.randn(5, 6, dtype=torch.bfloat16).t()
+    with pytest.raises(ValueError, match=message):
+        gated_act.gated_act_backward_keeping_hidden_(grad_h, gate, up, "silu")

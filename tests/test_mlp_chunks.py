@@ -37,6 +37,7 @@ def random_mlp(
     seed: int = 0,
     hidden: int = HIDDEN,
     intermediate: int = INTERMEDIATE,
+    down_rank: int = 5,
 ):
     """x `[tokens, HIDDEN]`, bases, loras of one gated MLP: unequal ranks and scales, trainable biases
     on up (or gate_up) and down, lora_B random (a zero B would hide wrong dA)."""
@@ -55,7 +56,7 @@ def random_mlp(
         shapes = [(hidden, intermediate, 3, 0.5, False), (hidden, intermediate, 2, 1.5, True)]
     else:
         shapes = [(hidden, 2 * intermediate, 4, 0.75, True)]
-    shapes.append((intermediate, hidden, 5, 1.25, True))
+    shapes.append((intermediate, hidden, down_rank, 1.25, True))
     projections = [projection(*shape) for shape in shapes]
     bases, loras = [p[0] for p in projections], [p[1] for p in projections]
     return tensor(tokens, hidden), bases, loras

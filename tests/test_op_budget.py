@@ -132,10 +132,12 @@ CASES = {
     # gate/up as a group, their LoRA terms added by the gated activation's kernel; h made and
     # consumed inside the gated kernels; down as one projection (its A.T kept by its shrink, its dA
     # inside the gated backward, its dB made with gate's and up's weight gradients: one op for all).
+    # The one clone: gate's and up's xa copied row-major for the activation kernel's term (the shrink
+    # writes it token-major for backward's dB).
     "mlp": (
         _mlp,
         _MLP_SHAPES,
-        {SHRINK_STACKING: 1, SHRINK_KEEP: 1, "mm": 3, EXPAND: 1, GATED_FWD: 1},
+        {SHRINK_STACKING: 1, SHRINK_KEEP: 1, "mm": 3, EXPAND: 1, GATED_FWD: 1, "clone": 1},
         {SHRINK: 1, SHRINK_STACKED: 1, "mm": 2, "addmm_": 1, EXPAND: 2, WGRADS: 1, GATED_BWD: 1},
         1,
     ),

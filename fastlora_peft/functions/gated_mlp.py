@@ -33,9 +33,10 @@ import torch
 
 from ..call_traces import VersionedSettings, call_traces
 from ..dtypes import DtypePlan, autocast_off
-from ..kernels.gated_act import gated_act_backward_
-from ..kernels.gated_act_lora import gated_act_backward_weight_grad_
+from ..kernels.gated_act import gated_act_backward_, gated_act_backward_keeping_hidden_
+from ..kernels.gated_act_lora import fuses_weight_grad, gated_act_backward_weight_grad_
 from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
+from ..kernels.lora_terms import lora_weight_grad
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import (
     FrozenBase,
@@ -116,7 +117,11 @@ class GateUpLoraTerms(NamedTuple):
 
 
 def _gate_up_lora_terms(xa: torch.Tensor, loras: Sequence[LoraWeights]) -> GateUpLoraTerms:
-    """The terms of (gate, up) or of the two halves of one gate_up (whose xa columns they share)."""
+    """The terms of (gate, up) or of the two halves of one gate_up (whose xa columns they share), on
+    a row-major copy of xa: the activation kernel's term wants its left operand's rank dim
+    contiguous (tl.dot's first operand; see gated_act_lora_forward), and the shrink writes xa token-
+    major for dB's weight gradient, which the backward reads from the saved xa."""
+    xa = xa.contiguous()
     if len(loras) == 2:
         gate, up = loras
         gate_left, up_left = rank_blocks(xa, loras, 1)
@@ -239,12 +244,18 @@ def _down_backward_(
                 lora_a_t=down_a_t,
             )  # fmt: skip
         # These rows of gate/up hold their gradients afterwards.
-        if needs_a:
+        if needs_a and fuses_weight_grad(grad_ha.shape[1]):
             # One pass over dh, gate and up instead of three launches that recompute h, read it for
             # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora).
             grad_a_rows = gated_act_backward_weight_grad_(
                 grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale
             )
+            grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
+        elif needs_a:
+            # More ranks: the activation's backward leaves h in dh's buffer, and dA reads it there
+            # (6 passes and one over h; the fused kernel's dot is slower past its ranks, see there).
+            gated_act_backward_keeping_hidden_(grad_hidden, gate[rows], up[rows], activation)
+            grad_a_rows = lora_weight_grad(grad_ha[rows], grad_hidden, down_scale)
             grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
         else:
             gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)

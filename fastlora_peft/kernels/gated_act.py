@@ -99,6 +99,7 @@ def _gated_act_backward_kernel(
     up_ptr,
     grad_gate_ptr,
     grad_up_ptr,
+    h_ptr,
     n_cols,
     n_col_blocks,
     stride_grad_h_m,
@@ -106,9 +107,13 @@ def _gated_act_backward_kernel(
     stride_up_m,
     stride_grad_gate_m,
     stride_grad_up_m,
+    stride_h_m,
     ACTIVATION: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    STORE_H: tl.constexpr,
 ):
+    # STORE_H: also h = act(gate) * up into h_ptr (grad_h's own buffer for
+    # `gated_act_backward_keeping_hidden_`: each program loads its grad_h elements before it stores).
     pid = tl.program_id(0)
     row = (pid // n_col_blocks).to(tl.int64)
     cols = (pid % n_col_blocks) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -125,6 +130,8 @@ def _gated_act_backward_kernel(
         mask=mask,
     )
     tl.store(grad_up_ptr + row * stride_grad_up_m + cols, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
+    if STORE_H:  # h_ptr has gate's dtype (checked): h rounded once, as the forward rounded it
+        tl.store(h_ptr + row * stride_h_m + cols, (act * up).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_geometry(n_rows: int, n_cols: int) -> tuple[int, int, int, int]:
@@ -165,9 +172,17 @@ def _gated_act_forward_triton(gate: torch.Tensor, up: torch.Tensor, activation: 
 
 
 def _gated_act_backward_triton(
-    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, in_place: bool = False
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    in_place: bool = False,
+    hidden_into_grad_h: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_h, gate, up = _unit_column_stride(grad_h), _unit_column_stride(gate), _unit_column_stride(up)
+    """hidden_into_grad_h: grad_h <- h as well (grad_h needs a unit column stride then: no copy)."""
+    if not hidden_into_grad_h:
+        grad_h = _unit_column_stride(grad_h)
+    gate, up = _unit_column_stride(gate), _unit_column_stride(up)
     n_rows, n_cols = gate.shape
     if in_place:  # each program loads its gate/up elements before it stores their gradients there
         grad_gate, grad_up = gate, up
@@ -183,6 +198,7 @@ def _gated_act_backward_triton(
         up,
         grad_gate,
         grad_up,
+        grad_h,
         n_cols,
         n_col_blocks,
         grad_h.stride(0),
@@ -190,8 +206,10 @@ def _gated_act_backward_triton(
         up.stride(0),
         grad_gate.stride(0),
         grad_up.stride(0),
+        grad_h.stride(0),
         ACTIVATION=activation,
         BLOCK_I=block_i,
+        STORE_H=hidden_into_grad_h,
         num_warps=num_warps,
     )
     return grad_gate, grad_up
@@ -300,4 +318,46 @@ def _gated_act_backward_inplace_body(
 
 _gated_act_backward_inplace_op = torch.library.custom_op(
     f"{OP_NAMESPACE}::gated_act_backward_", _gated_act_backward_inplace_body, mutates_args=("gate", "up")
+)
+
+
+def gated_act_backward_keeping_hidden_(
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> None:
+    """In place: gate <- grad_gate, up <- grad_up (as ``gated_act_backward_``), and grad_h <- h =
+    act(gate) * up, rounded to gate's dtype as the forward stored it.
+
+    For the gated MLP's backward past `gated_act_lora.FUSED_WEIGHT_GRAD_MAX_RANK`, whose dA_down then
+    reads h from grad_h's buffer (`lora_weight_grad`): one more store than ``gated_act_backward_``
+    and no buffer for h. grad_h needs gate's dtype and, like gate and up, a unit column stride.
+    `fastlora::gated_act_backward_keeping_hidden_`.
+    """
+    if skips_op_dispatch(grad_h, gate, up):
+        _keeping_hidden_body(grad_h, gate, up, activation)
+    else:
+        _keeping_hidden_op(grad_h, gate, up, activation)
+
+
+def _keeping_hidden_body(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    _check_inputs(gate, up, activation, grad_h)
+    if grad_h.dtype != gate.dtype:
+        raise ValueError(
+            f"gated_act_backward_keeping_hidden_: grad_h must be {gate.dtype} (gate's), got {grad_h.dtype}"
+        )
+    if any(tensor.stride(-1) != 1 for tensor in (grad_h, gate, up)):
+        raise ValueError("gated_act_backward_keeping_hidden_: grad_h, gate and up need a unit column stride")
+    if runs_triton(gate):
+        _gated_act_backward_triton(grad_h, gate, up, activation, in_place=True, hidden_into_grad_h=True)
+        return
+    hidden = _reference.gated_act_forward(gate, up, activation)
+    grad_gate, grad_up = _reference.gated_act_backward(grad_h, gate, up, activation)
+    gate.copy_(grad_gate)
+    up.copy_(grad_up)
+    grad_h.copy_(hidden)
+
+
+_keeping_hidden_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::gated_act_backward_keeping_hidden_",
+    _keeping_hidden_body,
+    mutates_args=("grad_h", "gate", "up"),
 )

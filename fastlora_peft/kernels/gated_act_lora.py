@@ -54,6 +54,21 @@ _OP = "gated_act_backward_weight_grad_"
 # streams: at rank 64 and 512 rows the partials add 10% to the traffic, so splits stop there.
 _MIN_ROWS_PER_SPLIT = 512
 
+# The most ranks (dA_down's) this kernel takes in the gated MLP's backward; past them the MLP runs
+# `gated_act_backward_keeping_hidden_` (h left in dh's buffer) and `lora_weight_grad` on it. The
+# kernel makes h^T in registers as tl.dot's first operand, and past 16 ranks that dot costs more than
+# the second launch's pass over h saves. H200, one 2048-row chunk of I = 14336, bf16, token-major
+# fp32 left, do_bench (forty-seventh session, `docs/benchmarks/session47/gated_bwd_paths_probe.log`),
+# this kernel against the two launches, us: rank 16 112.4 / 115.7, 24 211.0 / 119.7, 32 210.5 / 119.2,
+# 64 233.4 / 129.8, 128 336.7 / 152.0 (the three launches before this kernel, h recomputed into a
+# buffer of its own: 141.7 at rank 16, 178.2 at 128, `gated_bwd_rank_probe.log`).
+FUSED_WEIGHT_GRAD_MAX_RANK = 16
+
+
+def fuses_weight_grad(rank: int) -> bool:
+    """Whether the gated MLP's backward makes dA_down's share of a chunk in this kernel (rank: dA_down's)."""
+    return rank <= FUSED_WEIGHT_GRAD_MAX_RANK
+
 
 # ---------------------------------------------------------------------------------------------------
 # Kernel. Row offsets are widened to int64 before they meet a stride (M * stride passes 2**31 at 16k

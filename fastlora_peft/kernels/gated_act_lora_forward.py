@@ -11,7 +11,11 @@ traffic and two launches fewer per MLP forward.
 Shapes and dtypes: ``gate, up: [M, I]``, float32, bfloat16 or float16, the same; any row stride (the
 two halves of one ``[M, 2I]`` gate_up output are fine) and a unit column stride (they are written in
 place). ``gate_left: [M, Rg]`` and ``up_left: [M, Ru]`` float32 (the ``x @ A^T`` of
-``lora_shrink``; float64 beside a float64 gate), any strides; ``gate_right: [I, Rg]`` and
+``lora_shrink``; float64 beside a float64 gate), any strides, fastest with the rank dim contiguous:
+the term's dot takes left as its first operand, and a token-major left (the shrinks' own layout) took
+102.5 / 283 / 428 us against 94 / 125 / 163 row-major on an H200 (one 2048-row chunk of I = 14336,
+fp32 adapters, rank 16 / 64 / 128; `docs/benchmarks/session47/gated_fwd_layout_probe.log`), so the
+gated MLP hands it a row-major copy of xa; ``gate_right: [I, Rg]`` and
 ``up_right: [I, Ru]`` (lora_B, or a half of a gate_up lora_B) float32, bfloat16 or float16.
 gate and up are rounded once to their dtype, as ``lora_expand_add_`` rounds them, and h is computed
 from the rounded values, as ``gated_act_forward`` computes it from the stored ones: the result is the

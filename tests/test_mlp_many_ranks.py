@@ -1,0 +1,196 @@
+"""The gated MLP past `FUSED_WEIGHT_GRAD_MAX_RANK` ranks of down's adapter: its backward takes
+`gated_act_backward_keeping_hidden_` (h into dh's buffer) and `lora_weight_grad` per chunk instead of
+the fused `gated_act_backward_weight_grad_`; and, at every rank, the activation's forward reads gate's
+and up's xa row-major (the shrink's token-major xa made so once per forward).
+
+Output and every gradient against float64 autograd on the same rounded inputs, in each dtype layout
+(fp32, bf16, fp16, fp32 adapters on bf16/fp16, NF4 with bf16 or fp32 adapters), through 3 chunks;
+pins that the path taken is the one the rank asks for; a float64 gradcheck on that path. Tiny odd
+shapes: under TRITON_INTERPRET=1 the kernels run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel_close
+from test_mlp_chunks import MLP_LAYOUTS, bytes_for_chunks, nf4_base, random_mlp, trainable_tensors
+
+from fastlora_peft.dtypes import DtypePlan
+from fastlora_peft.functions import gated_mlp
+from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materialize_weight
+from fastlora_peft.functions.gated_mlp import GatedMlpSettings, fused_gated_mlp
+from fastlora_peft.kernels.gated_act_lora import FUSED_WEIGHT_GRAD_MAX_RANK
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+TOKENS = 37
+MANY_RANKS = FUSED_WEIGHT_GRAD_MAX_RANK + 7  # odd, and past a 16-rank tile
+# id: (x dtype, base weight dtype, adapter dtype, NF4 base?, plan, tolerance against float64). The
+# tolerances hold the 16-bit roundings of gate, up, h and the output; largest relative errors of any
+# tensor measured here: 2.6e-7 (fp32), 1.3e-2 (bf16, NF4), 5.3e-4 (fp16). A dropped down scale (1.25)
+# is off by 0.2.
+LAYOUTS = {
+    "fp32": (F32, F32, F32, False, DtypePlan(F32, F32), 2e-6),
+    "bf16": (BF16, BF16, BF16, False, DtypePlan(BF16, BF16), 3e-2),
+    "fp16": (F16, F16, F16, False, DtypePlan(F16, F16), 2e-3),
+    "bf16-fp32adapters": (BF16, BF16, F32, False, DtypePlan(BF16, BF16), 3e-2),
+    "fp16-fp32adapters": (F16, F16, F32, False, DtypePlan(F16, F16), 2e-3),
+    "nf4-bf16adapters": (BF16, BF16, BF16, True, DtypePlan(BF16, BF16), 3e-2),
+    "nf4-fp32adapters": (BF16, BF16, F32, True, DtypePlan(BF16, BF16), 3e-2),
+}
+# bitsandbytes quantizes on the CPU only feature sizes that are multiples of 64.
+NF4_SIZES = dict(hidden=64, intermediate=128)
+SIZES = dict(hidden=24, intermediate=40)
+
+
+def mlp_in_layout(layout_id: str, mlp_layout: str, down_rank: int):
+    x_dtype, base_dtype, adapter_dtype, quantized, plan, _ = LAYOUTS[layout_id]
+    x, bases, loras = random_mlp(
+        mlp_layout, F32, tokens=TOKENS, down_rank=down_rank, **(NF4_SIZES if quantized else SIZES)
+    )
+    x = x.detach().to(x_dtype).requires_grad_()
+    bases = [
+        FrozenBase(
+            base.weight.detach().to(base_dtype),
+            None if base.bias is None else base.bias.detach().to(base_dtype).requires_grad_(),
+            None,
+        )
+        for base in bases
+    ]
+    if quantized:
+        bases = [nf4_base(base) for base in bases]
+    loras = [
+        LoraWeights(
+            lora.lora_a.detach().to(adapter_dtype).requires_grad_(),
+            lora.lora_b.detach().to(adapter_dtype).requires_grad_(),
+            lora.scale,
+        )
+        for lora in loras
+    ]
+    return x, bases, loras, plan
+
+
+def float64_mlp(x, bases, loras, activation: str, plan: DtypePlan) -> torch.Tensor:
+    """The MLP in float64 autograd on the same values (a 4-bit weight as our dequantize gives it)."""
+
+    def linear(inputs, base, lora):
+        weight = materialize_weight(base, plan.compute_dtype).double()
+        out = inputs @ weight.T + (lora.lora_a.double() @ inputs.T).T @ lora.lora_b.double().T * lora.scale
+        return out if base.bias is None else out + base.bias.double()
+
+    x64 = x.double()
+    if len(bases) == 3:
+        gate, up = linear(x64, bases[0], loras[0]), linear(x64, bases[1], loras[1])
+    else:
+        gate, up = linear(x64, bases[0], loras[0]).chunk(2, dim=1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return linear(act * up, bases[-1], loras[-1])
+
+
+@pytest.fixture
+def mlp_calls(monkeypatch) -> dict[str, list[tuple]]:
+    """The arguments of every call the gated MLP makes to its activation ops, by name."""
+    names = (
+        "gated_act_lora_forward_",
+        "gated_act_backward_weight_grad_",
+        "gated_act_backward_keeping_hidden_",
+        "lora_weight_grad",
+    )
+    calls: dict[str, list[tuple]] = {name: [] for name in names}
+    for name in names:
+        original = getattr(gated_mlp, name)
+
+        def recording(*args, _name=name, _original=original):
+            calls[_name].append(args)
+            return _original(*args)
+
+        monkeypatch.setattr(gated_mlp, name, recording)
+    return calls
+
+
+def run(monkeypatch, x, bases, loras, plan, activation, chunks: int):
+    intermediate = loras[-1].lora_a.shape[1]  # down's in-features (a 4-bit weight is packed)
+    monkeypatch.setattr(
+        GatedMlpSettings, "chunk_bytes", bytes_for_chunks(chunks, plan.out_dtype, TOKENS, intermediate)
+    )
+    out = fused_gated_mlp(x, bases, loras, plan, activation)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    tensors = trainable_tensors(x, bases, loras)
+    return out.detach(), torch.autograd.grad(out, tensors, grad_out), grad_out, tensors
+
+
+@pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
+def test_many_ranks_match_float64_through_the_two_launch_path(monkeypatch, mlp_calls, layout_id, mlp_layout):
+    x, bases, loras, plan = mlp_in_layout(layout_id, mlp_layout, MANY_RANKS)
+    out, grads, grad_out, tensors = run(monkeypatch, x, bases, loras, plan, "silu", chunks=3)
+
+    # The path: three chunks, each through the two launches; the fused kernel never ran.
+    assert [args[1].shape[0] for args in mlp_calls["gated_act_backward_keeping_hidden_"]] == [12, 12, 13]
+    assert mlp_calls["gated_act_backward_weight_grad_"] == []
+    down_lefts = [args[0] for args in mlp_calls["lora_weight_grad"]]
+    assert [left.shape for left in down_lefts] == [(rows, MANY_RANKS) for rows in (12, 12, 13)]
+    # The forward's activation read row-major lefts (rank dim contiguous) in every chunk.
+    forward_lefts = [(args[3], args[6]) for args in mlp_calls["gated_act_lora_forward_"]]
+    assert len(forward_lefts) == 3 and all(left.stride(1) == 1 for pair in forward_lefts for left in pair)
+
+    # Against float64: the output and every gradient, dA_down (fed by h in dh's buffer) included.
+    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
+    swap = dict(zip(map(id, tensors), tensors64))
+
+    def in64(t):
+        return None if t is None else swap.get(id(t), t)
+
+    bases64 = [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases]
+    loras64 = [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras]
+    out64 = float64_mlp(in64(x), bases64, loras64, "silu", plan)
+    grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
+    tol = LAYOUTS[layout_id][-1]
+    assert_rel_close(out, out64, tol, "out")
+    names = ["x"] + [f"{p}.lora_{ab}" for p in range(len(loras)) for ab in "ab"] + ["biases"] * 2
+    for name, grad, grad64, tensor in zip(names, grads, grads64, tensors, strict=True):
+        assert grad.dtype == tensor.dtype, f"{name}: gradient dtype {grad.dtype} != {tensor.dtype}"
+        assert grad64.abs().max() > 0, f"{name}: a zero gradient tests nothing"
+        assert_rel_close(grad, grad64, tol, name)
+
+
+@pytest.mark.parametrize("down_rank", [FUSED_WEIGHT_GRAD_MAX_RANK, FUSED_WEIGHT_GRAD_MAX_RANK + 1])
+def test_the_rank_of_down_picks_the_backward_path(monkeypatch, mlp_calls, down_rank):
+    x, bases, loras, plan = mlp_in_layout("bf16-fp32adapters", "gate-up-down", down_rank)
+    run(monkeypatch, x, bases, loras, plan, "silu", chunks=2)
+    fused = len(mlp_calls["gated_act_backward_weight_grad_"])
+    two_launches = len(mlp_calls["gated_act_backward_keeping_hidden_"])
+    assert (fused, two_launches) == ((2, 0) if down_rank <= FUSED_WEIGHT_GRAD_MAX_RANK else (0, 2))
+    assert len(mlp_calls["lora_weight_grad"]) == two_launches
+
+
+def test_many_ranks_without_down_lora_a_grad_keep_no_h(monkeypatch, mlp_calls):
+    x, bases, loras, plan = mlp_in_layout("fp32", "gate-up-down", MANY_RANKS)
+    loras[-1] = loras[-1]._replace(lora_a=loras[-1].lora_a.detach())  # dA_down is h's only reader
+    run(monkeypatch, x, bases, loras, plan, "silu", chunks=2)
+    assert mlp_calls["gated_act_backward_keeping_hidden_"] == []
+    assert mlp_calls["gated_act_backward_weight_grad_"] == [] and mlp_calls["lora_weight_grad"] == []
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_many_ranks_gradcheck(monkeypatch, mlp_calls, activation):
+    # gradcheck runs backward many times through one graph: keep the saved gate/up intact.
+    monkeypatch.setattr(GatedMlpSettings, "overwrite_saved_preactivations", False)
+    tokens, intermediate = 7, 9
+    chunk_bytes = bytes_for_chunks(2, torch.float64, tokens, intermediate)
+    monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", chunk_bytes)
+    x, bases, loras = random_mlp(
+        "gate-up-down", torch.float64, tokens=tokens, seed=3, hidden=6, intermediate=intermediate,
+        down_rank=MANY_RANKS,
+    )  # fmt: skip
+    plan = DtypePlan(torch.float64, torch.float64)
+
+    def function(x, *tensors):
+        it = iter(tensors)
+        new_loras = [LoraWeights(next(it), next(it), lora.scale) for lora in loras]
+        new_bases = [FrozenBase(b.weight, next(it) if b.bias is not None else None, None) for b in bases]
+        return fused_gated_mlp(x, new_bases, new_loras, plan, activation)
+
+    assert torch.autograd.gradcheck(function, trainable_tensors(x, bases, loras))
+    assert len(mlp_calls["gated_act_backward_keeping_hidden_"]) >= 2, "gradcheck ran the two-launch path"
