@@ -371,17 +371,19 @@ def test_gated_weight_grad_plan_launches_what_the_launcher_would(recorded_launch
     assert 1.25 in _floats(launch)
 
 
-# (M, K, N, R, dtype, b K-major (a weight's transpose, the forward), right transposed (lora_a.T, dX))
+# (M, K, N, R, dtype, b K-major (a weight's transpose, the forward), right transposed (lora_a.T, dX),
+# left token-major (lora_shrink's layout: copied row-major from 64 ranks on, `copies_left`))
 TMA_ADDMM_CASES = [
-    (33, 72, 40, 16, torch.bfloat16, True, False),
-    (9, 40, 64, 5, torch.float16, False, True),
+    (33, 72, 40, 16, torch.bfloat16, True, False, False),
+    (9, 40, 64, 5, torch.float16, False, True, True),
+    (33, 72, 40, 70, torch.bfloat16, True, False, True),
 ]
 
 
-def _tma_addmm_inputs(M, K, N, R, dtype, k_major, transposed, seed) -> dict:
+def _tma_addmm_inputs(M, K, N, R, dtype, k_major, transposed, token_major, seed) -> dict:
     generator = torch.Generator().manual_seed(seed)
     b = _randn(generator, N, K, dtype=dtype).t() if k_major else _randn(generator, K, N, dtype=dtype)
-    left = _randn(generator, M, R, dtype=torch.float32)
+    left = _matrix(generator, M, R, torch.float32, token_major)
     right = _matrix(generator, N, R, torch.float32, transposed)
     return dict(a=_randn(generator, M, K, dtype=dtype), b=b, left=left, right=right, scale=2.0 + seed)
 
@@ -391,9 +393,9 @@ def test_tma_addmm_plan_launches_what_the_launcher_would(recorded_launches, case
     """The TMA kernel's plan passes the tensors where the kernel takes descriptors: the launch encodes
     them as it encodes the launcher's own TensorDescriptors (the same C-launch arguments), a and b
     (b's [N, K] transpose when K-major) from their own addresses."""
-    M, K, N, R, dtype, k_major, transposed = case
+    M, K, N, R, dtype, k_major, transposed, token_major = case
     _ENCODED_ADDRESSES.clear()
-    make_inputs = lambda seed: _tma_addmm_inputs(M, K, N, R, dtype, k_major, transposed, seed)  # noqa: E731
+    make_inputs = lambda seed: _tma_addmm_inputs(M, K, N, R, dtype, k_major, transposed, token_major, seed)  # noqa: E731
     launch = _planned_and_unplanned(recorded_launches, lora_addmm._lora_addmm_tma_triton, make_inputs)
     assert 3.0 in _floats(launch)
     b_rows = (N, K) if k_major else (K, N)
@@ -475,7 +477,7 @@ OP_CASES = {
     ),
     "lora_addmm (TMA)": (
         lora_addmm.lora_addmm, lora_addmm, "_check_lora_addmm",
-        lambda seed: _tma_addmm_inputs(33, 72, 40, 16, torch.bfloat16, True, True, seed),
+        lambda seed: _tma_addmm_inputs(33, 72, 40, 16, torch.bfloat16, True, True, False, seed),
     ),
     "dequantize_4bit": (
         dequant4bit.dequantize_4bit, dequant4bit, "_check_dequantize",

@@ -156,13 +156,17 @@ def test_pays_off_only_where_lora_addmm_would(monkeypatch):
     assert not lora_addmm_group_pays_off(a, b, left, BF16)
 
 
-@pytest.mark.parametrize("widths", [(72, 24), (72, 8, 40)], ids=["two", "three"])
-def test_plan_launches_what_the_launcher_would(recorded_launches, widths):  # noqa: F811
+@pytest.mark.parametrize(
+    "widths, ranks", [((72, 24), None), ((72, 8, 40), None), ((72, 8, 40), [5, 70, 20])],
+    ids=["two", "three", "three-left-copied"],
+)  # fmt: skip
+def test_plan_launches_what_the_launcher_would(recorded_launches, widths, ranks):  # noqa: F811
     """The plan passes a, each member's weight ([N, K]) and output where the kernel takes descriptors
-    (slots past the group repeat the last member), and launches what the launcher would."""
+    (slots past the group repeat the last member), and launches what the launcher would; from 64
+    ranks on, with the lefts copied row-major as the launcher copies them (`copies_left`)."""
 
     def make_inputs(seed):
-        a, b, left, right, scale = _operands(33, 40, widths, BF16, FP32, seed=seed)
+        a, b, left, right, scale = _operands(33, 40, widths, BF16, FP32, seed=seed, ranks=ranks)
         return dict(a=a, b=b, left=left, right=right, scale=[s + seed for s in scale])
 
     _ENCODED_ADDRESSES.clear()

@@ -344,13 +344,16 @@ from test_launch_plans import _ENCODED_ADDRESSES, _planned_and_unplanned, record
 from fastlora_peft.kernels import lora_addmm_sum as sum_module  # noqa: E402
 
 
-@pytest.mark.parametrize("ks", [(24, 40), (72, 8, 24)], ids=["two", "three"])
-def test_plan_launches_what_the_launcher_would(recorded_launches, ks):  # noqa: F811
+@pytest.mark.parametrize(
+    "ks, ranks", [((24, 40), 16), ((72, 8, 24), 16), ((72, 8, 24), 72)], ids=["two", "three", "left-copied"]
+)
+def test_plan_launches_what_the_launcher_would(recorded_launches, ks, ranks):  # noqa: F811
     """The plan passes the members' tensors where the kernel takes descriptors (a slot past the group
-    repeats the last member), and launches what the launcher itself would."""
+    repeats the last member), and launches what the launcher itself would; from 64 ranks on, with
+    the token-major left copied row-major as the launcher copies it (`copies_left`)."""
 
     def make_inputs(seed):
-        a, b, left, right = _operands(33, ks, 40, 16, BF16, FP32, seed=seed)
+        a, b, left, right = _operands(33, ks, 40, ranks, BF16, FP32, seed=seed)
         return dict(a=a, b=b, left=left, right=right, scale=2.0 + seed)
 
     _ENCODED_ADDRESSES.clear()
@@ -362,7 +365,7 @@ def test_plan_launches_what_the_launcher_would(recorded_launches, ks):  # noqa: 
     assert descriptors == [*members, (33, 40)]  # a_i and b_i of each slot, then the output
     scale_at = next(i for i, value in enumerate(launch) if type(value) is float and value == 3.0)
     # M, N, each slot's K (0 past the group: its loop is not compiled in), R, just before the scale.
-    assert list(launch[scale_at - 6 : scale_at]) == [33, 40, *ks, *[0] * (MAX_MEMBERS - len(ks)), 16]
+    assert list(launch[scale_at - 6 : scale_at]) == [33, 40, *ks, *[0] * (MAX_MEMBERS - len(ks)), ranks]
 
 
 def test_where_it_pays_off_launches_from_its_plan_without_the_fit_check(recorded_launches, monkeypatch):  # noqa: F811

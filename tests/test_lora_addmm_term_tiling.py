@@ -22,6 +22,7 @@ from test_lora_addmm_sum import needs_triton
 from fastlora_peft.kernels import lora_addmm as single_module
 from fastlora_peft.kernels import lora_addmm_group as group_module
 from fastlora_peft.kernels import lora_addmm_sum as sum_module
+from fastlora_peft.kernels._launch import LaunchPlans
 from fastlora_peft.kernels.lora_addmm import (
     PIPELINED_TERM_RANKS,
     RANK_STAGES_MANY,
@@ -49,7 +50,18 @@ def test_the_rank_loop_pipelines_from_64_ranks():
 
 
 @pytest.fixture
-def term_launches(triton_launches) -> Iterator[list[tuple[int, int]]]:
+def left_strides(monkeypatch) -> list[list[tuple[int, int]]]:
+    """Per launch of the three TMA kernels (filled by `term_launches`), the strides of each left
+    operand it was given: the fp32 [M, R] tensors ahead of the rights, which the tests here make
+    fp32 [N, R] only in the fp32-adapter layouts, contiguous (the launcher copies a transposed one).
+    Launch plans are off meanwhile: on CUDA a launch of metadata seen before (another test's) is
+    served from its plan, which does not pass through the kernel's `launch`."""
+    monkeypatch.setattr(LaunchPlans, "enabled", False)  # the class's switch (see there)
+    return []
+
+
+@pytest.fixture
+def term_launches(triton_launches, left_strides) -> Iterator[list[tuple[int, int]]]:
     """(BLOCK_R, RANK_STAGES) of each launch of the three TMA kernels during a test. Wraps the launch
     that `triton_launches` counts (an instance attribute, put back as found afterwards)."""
     launched: list[tuple[int, int]] = []
@@ -63,6 +75,8 @@ def term_launches(triton_launches) -> Iterator[list[tuple[int, int]]]:
 
         def recording(grid, args, meta, _launch=kernel.launch):
             launched.append((meta["BLOCK_R"], meta["RANK_STAGES"]))
+            tensors = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dim() == 2]
+            left_strides.append([t.stride() for t in tensors if t.dtype == torch.float32])
             return _launch(grid, args, meta)
 
         kernel.launch = recording
@@ -111,3 +125,37 @@ def test_sum_term_over_all_members_ranks(layout, term_launches, triton_launches)
     assert term_tiling(72) == (RANK_TILE, RANK_STAGES_MANY)
     assert rel_err(out, sum_truth(a, b, left, right).to(out.device)) <= TOLERANCE[dtype]
     assert rel_err(out, sum_truth(a, b, left, right, scale=1.0).to(out.device)) > 10 * TOLERANCE[dtype]
+
+
+# --- the term's left operand row-major from PIPELINED_TERM_RANKS on (`copies_left`) ---------------
+
+
+@needs_triton
+@pytest.mark.parametrize("ranks", [PIPELINED_TERM_RANKS - 1, MANY])
+def test_single_projection_left_is_copied_row_major_from_64_ranks(ranks, term_launches, left_strides):
+    a, b, left, right = single_operands(37, 72, 40, ranks, BF16, BF16, "dense", "token", "dense")
+    assert left.stride() == (1, 37)  # token-major, as lora_shrink hands it out
+    out = lora_addmm(a, b, left, right, SCALE)
+    assert left_strides == [[(ranks, 1) if ranks >= PIPELINED_TERM_RANKS else (1, 37)]]
+    assert rel_err(out, single_truth(a, b, left, right).to(out.device)) <= TOLERANCE[BF16]
+
+
+@needs_triton
+@pytest.mark.parametrize("ranks", [[5, 40, 20], [5, MANY, 20]])
+def test_group_lefts_are_copied_row_major_from_64_ranks_of_any_member(ranks, term_launches, left_strides):
+    a, b, left, right, scale = group_operands(37, 40, (40, 24, 8), BF16, BF16, ranks=ranks)
+    outs = lora_addmm_group(a, b, left, right, scale)
+    # The three lefts as columns of one copy: one set of strides, the kernel's (it reads left 0's).
+    copied = max(ranks) >= PIPELINED_TERM_RANKS
+    assert left_strides == [[(sum(ranks), 1) if copied else (1, 37)] * 3]
+    for out, truth in zip(outs, group_truths(a, b, left, right, scale)):
+        assert rel_err(out, truth) <= TOLERANCE[BF16]
+
+
+@needs_triton
+@pytest.mark.parametrize("ranks", [3 * 16, 3 * 24])
+def test_sum_left_is_copied_row_major_from_64_ranks(ranks, term_launches, left_strides):
+    a, b, left, right = sum_operands(37, (24, 40, 8), 40, ranks, BF16, BF16)
+    out = lora_addmm_sum(a, b, left, right, SCALE)
+    assert left_strides == [[(ranks, 1) if ranks >= PIPELINED_TERM_RANKS else (1, 37)]]
+    assert rel_err(out, sum_truth(a, b, left, right).to(out.device)) <= TOLERANCE[BF16]

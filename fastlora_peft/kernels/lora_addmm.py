@@ -232,6 +232,19 @@ def term_tiling(ranks: int) -> tuple[int, int]:
     return RANK_TILE, RANK_STAGES_MANY if ranks >= PIPELINED_TERM_RANKS else 1
 
 
+def copies_left(ranks: int, left: torch.Tensor) -> bool:
+    """Whether a TMA kernel's launch copies its term's left operand (`[M, R]` fp32, `ranks` the most
+    of any member) row-major first: from `PIPELINED_TERM_RANKS` on, where it is not row-major already.
+
+    The term's dot takes left as its first operand, which wants the rank dim contiguous; the shrinks
+    write token-major. H200, 8192 x 4096 x 4096 (o_proj's forward and dX), do_bench, two runs each
+    (forty-seventh session, `docs/benchmarks/session47/left_layout_probe.log`), us row-major against
+    token-major: rank 64 372-404 against 389-422, rank 128 416-443 against 455-480 (each adapter
+    dtype); rank 16 355-390 either way, so below 64 ranks nothing is copied (a [8192, 64] fp32 copy
+    is 4 MB of traffic)."""
+    return ranks >= PIPELINED_TERM_RANKS and left.stride(1) != 1
+
+
 @triton.jit
 def _grouped_tile(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
     """(row block, column block) of output tile `tile`: tiles go GROUP_M row blocks per column block,
@@ -491,6 +504,8 @@ def _lora_addmm_tma_triton(
     # though the copy is an op and an allocation more on the host.
     right_copied = right.stride(1) != 1
     right = right.contiguous() if right_copied else right
+    left_copied = copies_left(left.shape[1], left)
+    left = left.contiguous() if left_copied else left
     block_m, block_n, block_k, warps, stages = config or tma_config(M, N, a.device)
     b_k_major = _k_major(b)
     b_desc = (
@@ -512,7 +527,9 @@ def _lora_addmm_tma_triton(
         FP32_DOT=not a.is_cuda, RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
-        _TMA_PLANS.add(plan_key, _TmaPlan(bound, right_copied, b_k_major, (M, N), sizes, strides))
+        _TMA_PLANS.add(
+            plan_key, _TmaPlan(bound, right_copied, left_copied, b_k_major, (M, N), sizes, strides)
+        )
     return out
 
 
@@ -523,6 +540,7 @@ class _TmaPlan(NamedTuple):
 
     launch: BoundLaunch
     copy_right: bool  # right was copied to a contiguous one first (its strides below are the copy's)
+    copy_left: bool  # left likewise (`copies_left`)
     b_k_major: bool
     out_shape: tuple[int, int]
     sizes: tuple[int, int, int, int]  # M, N, K, R
@@ -540,6 +558,7 @@ def _tma_plan_key(a, b, left, right) -> tuple:
 @trace_unit
 def _run_tma_plan(plan: _TmaPlan, a, b, left, right, scale) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
+    left = left.contiguous() if plan.copy_left else left
     out = empty_2d(*plan.out_shape, a.dtype, a.device)
     plan.launch(a, b.t() if plan.b_k_major else b, out, left, right, *plan.sizes, float(scale), *plan.strides)
     return out

@@ -44,6 +44,7 @@ from fastlora_peft.kernels.lora_addmm import (
     _rows_fit_tma,
     _tile_with_term,
     _transpose_fits_tma,
+    copies_left,
     lora_addmm,
     term_tiling,
     tma_config,
@@ -219,6 +220,8 @@ def _lora_addmm_group_tma_triton(
     outs = [torch.empty((M, n), dtype=a.dtype, device=a.device) for n in widths]
     copied = tuple(right_i.stride(1) != 1 for right_i in right)
     right = [r.contiguous() if copy else r for r, copy in zip(right, copied)]
+    left_copied = copies_left(max(left_i.shape[1] for left_i in left), left[0])
+    left = _row_major(left) if left_copied else left
     block_m, block_n, block_k, warps, stages = config or tma_config(M, sum(widths), a.device)
     slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]  # slots past the group repeat the last
     tiles = sum(cdiv(M, block_m) * cdiv(n, block_n) for n in widths)
@@ -237,9 +240,16 @@ def _lora_addmm_group_tma_triton(
         RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
-        plan = _GroupPlan(bound, copied, tuple(widths), sizes, (*left[0].stride(), *right_strides))
+        plan = _GroupPlan(
+            bound, copied, left_copied, tuple(widths), sizes, (*left[0].stride(), *right_strides)
+        )
         _GROUP_PLANS.add(plan_key, plan)
     return outs
+
+
+def _row_major(left: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The lefts as the columns of one row-major copy (one launch; they keep one set of strides)."""
+    return list(torch.cat(left, dim=1).split([left_i.shape[1] for left_i in left], dim=1))
 
 
 class _GroupPlan(NamedTuple):
@@ -248,6 +258,7 @@ class _GroupPlan(NamedTuple):
 
     launch: BoundLaunch
     copy_right: tuple[bool, ...]  # each right copied to a contiguous one first (strides: the copies')
+    copy_left: bool  # the lefts copied row-major first (`lora_addmm.copies_left`; strides: the copy's)
     widths: tuple[int, ...]  # N_i of each member's output
     sizes: tuple[int, ...]  # M, N0, N1, N2, K, R0, R1, R2
     strides: tuple[int, ...]  # the lefts' (shared), then each slot's right's
@@ -267,6 +278,7 @@ def _run_group_plan(plan: _GroupPlan, a, weights, left, right, scale) -> list[to
     """weights: each b_i's transpose (`[N_i, K]`), as `_group_plan_key` took them."""
     members = len(weights)
     right = [r.contiguous() if copy else r for r, copy in zip(right, plan.copy_right)]
+    left = _row_major(left) if plan.copy_left else left
     rows = a.shape[0]
     outs = [empty_2d(rows, n, a.dtype, a.device) for n in plan.widths]
     slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]

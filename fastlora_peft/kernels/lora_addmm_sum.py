@@ -39,6 +39,7 @@ from fastlora_peft.kernels.lora_addmm import (
     _k_major,
     _rows_fit_tma,
     _tile_with_term,
+    copies_left,
     lora_addmm,
     term_tiling,
     tma_config,
@@ -187,6 +188,8 @@ def _lora_addmm_sum_tma_triton(
     out = torch.empty((M, N), dtype=a[0].dtype, device=a[0].device)
     right_copied = right.stride(1) != 1
     right = right.contiguous() if right_copied else right
+    left_copied = copies_left(left.shape[1], left)
+    left = left.contiguous() if left_copied else left
     block_m, block_n, block_k, warps, stages = config or tma_config(M, N, a[0].device)
     # Slots past the group's members repeat the last member's operands (never read: MEMBERS).
     slots = [(a[min(i, members - 1)], b[min(i, members - 1)]) for i in range(MAX_MEMBERS)]
@@ -209,7 +212,7 @@ def _lora_addmm_sum_tma_triton(
         RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
-        _SUM_PLANS.add(plan_key, _SumPlan(bound, right_copied, (M, N), sizes, strides))
+        _SUM_PLANS.add(plan_key, _SumPlan(bound, right_copied, left_copied, (M, N), sizes, strides))
     return out
 
 
@@ -219,6 +222,7 @@ class _SumPlan(NamedTuple):
 
     launch: BoundLaunch
     copy_right: bool  # right was copied to a contiguous one first (its strides below are the copy's)
+    copy_left: bool  # left likewise (`lora_addmm.copies_left`)
     out_shape: tuple[int, int]
     sizes: tuple[int, ...]  # M, N, K0, K1, K2, R
     strides: tuple[int, int, int, int]  # left's and right's
@@ -235,6 +239,7 @@ def _sum_plan_key(a, b, left, right) -> tuple:
 @trace_unit
 def _run_sum_plan(plan: _SumPlan, a, b, left, right, scale) -> torch.Tensor:
     right = right.contiguous() if plan.copy_right else right
+    left = left.contiguous() if plan.copy_left else left
     out = empty_2d(*plan.out_shape, a[0].dtype, a[0].device)
     last = len(a) - 1
     slots = []
