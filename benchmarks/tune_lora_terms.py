@@ -7,7 +7,8 @@ python -m benchmarks.tune_lora_terms [--expand-add | --weight-grad | --weight-gr
 
 --rank=R (with --gated or --gated-forward, repeatable): the gated kernels at rank R, not 16. Past 16,
 --gated-forward times fp32 adapters only, each config with its default rank tile and, past 32 ranks,
-32-wide tiles too; --gated times its usual grid at that rank.
+32-wide tiles too; --gated times its usual grid at that rank, past 64 ranks a smaller one with 64-
+and 128-wide rank tiles.
 
 Per shape: the default, then the fastest configs.
 

@@ -44,16 +44,31 @@ NF4_SIZES = dict(hidden=64, intermediate=128)
 SIZES = dict(hidden=24, intermediate=40)
 
 
-def mlp_in_layout(layout_id: str, mlp_layout: str, down_rank: int):
+DEVICES = (
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+)
+
+
+def mlp_in_layout(layout_id: str, mlp_layout: str, down_rank: int, device: str = "cpu"):
+    """(x, bases, loras, plan) on `device` (a 4-bit layout on the CPU only: bitsandbytes quantizes
+    there)."""
     x_dtype, base_dtype, adapter_dtype, quantized, plan, _ = LAYOUTS[layout_id]
     x, bases, loras = random_mlp(
         mlp_layout, F32, tokens=TOKENS, down_rank=down_rank, **(NF4_SIZES if quantized else SIZES)
     )
-    x = x.detach().to(x_dtype).requires_grad_()
+
+    def leaf(tensor, dtype):
+        return tensor.detach().to(device, dtype).requires_grad_()
+
+    x = leaf(x, x_dtype)
     bases = [
         FrozenBase(
-            base.weight.detach().to(base_dtype),
-            None if base.bias is None else base.bias.detach().to(base_dtype).requires_grad_(),
+            base.weight.detach().to(device, base_dtype),
+            None if base.bias is None else leaf(base.bias, base_dtype),
             None,
         )
         for base in bases
@@ -61,11 +76,7 @@ def mlp_in_layout(layout_id: str, mlp_layout: str, down_rank: int):
     if quantized:
         bases = [nf4_base(base) for base in bases]
     loras = [
-        LoraWeights(
-            lora.lora_a.detach().to(adapter_dtype).requires_grad_(),
-            lora.lora_b.detach().to(adapter_dtype).requires_grad_(),
-            lora.scale,
-        )
+        LoraWeights(leaf(lora.lora_a, adapter_dtype), leaf(lora.lora_b, adapter_dtype), lora.scale)
         for lora in loras
     ]
     return x, bases, loras, plan
@@ -115,15 +126,20 @@ def run(monkeypatch, x, bases, loras, plan, activation, chunks: int):
         GatedMlpSettings, "chunk_bytes", bytes_for_chunks(chunks, plan.out_dtype, TOKENS, intermediate)
     )
     out = fused_gated_mlp(x, bases, loras, plan, activation)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
     tensors = trainable_tensors(x, bases, loras)
     return out.detach(), torch.autograd.grad(out, tensors, grad_out), grad_out, tensors
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mlp_layout", MLP_LAYOUTS)
 @pytest.mark.parametrize("layout_id", list(LAYOUTS))
-def test_many_ranks_match_float64_through_the_two_launch_path(monkeypatch, mlp_calls, layout_id, mlp_layout):
-    x, bases, loras, plan = mlp_in_layout(layout_id, mlp_layout, MANY_RANKS)
+def test_many_ranks_match_float64_through_the_two_launch_path(
+    monkeypatch, mlp_calls, layout_id, mlp_layout, device
+):
+    if device == "cuda" and LAYOUTS[layout_id][3]:
+        pytest.skip("a 4-bit base is quantized on the CPU here (test_gpu.py runs NF4 on CUDA)")
+    x, bases, loras, plan = mlp_in_layout(layout_id, mlp_layout, MANY_RANKS, device)
     out, grads, grad_out, tensors = run(monkeypatch, x, bases, loras, plan, "silu", chunks=3)
 
     # The path: three chunks, each through the two launches; the fused kernel never ran.
