@@ -225,6 +225,11 @@ def test_chunked_gated_mlp_gradcheck(monkeypatch, mlp_layout, activation):
     tokens = 7
     monkeypatch.setattr(GatedMlpSettings, "chunk_bytes", bytes_for_chunks(3, torch.float64, tokens))
     x, bases, loras = random_mlp(mlp_layout, torch.float64, tokens=tokens, seed=3)
+    assert gradcheck_mlp(x, bases, loras, activation)
+
+
+def gradcheck_mlp(x, bases, loras, activation: str) -> bool:
+    """torch.autograd.gradcheck of the fused MLP (float64) in x and every trainable tensor."""
     plan = DtypePlan(torch.float64, torch.float64)
 
     def function(x, *tensors):
@@ -233,7 +238,7 @@ def test_chunked_gated_mlp_gradcheck(monkeypatch, mlp_layout, activation):
         new_bases = [FrozenBase(b.weight, next(it) if b.bias is not None else None, None) for b in bases]
         return fused_gated_mlp(x, new_bases, new_loras, plan, activation)
 
-    assert torch.autograd.gradcheck(function, trainable_tensors(x, bases, loras))
+    return torch.autograd.gradcheck(function, trainable_tensors(x, bases, loras))
 
 
 # --- chunks under the other dtype layouts ------------------------------------------------------

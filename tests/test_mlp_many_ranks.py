@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_rel_close
-from test_mlp_chunks import MLP_LAYOUTS, bytes_for_chunks, nf4_base, random_mlp, trainable_tensors
+from test_mlp_chunks import (
+    MLP_LAYOUTS,
+    bytes_for_chunks,
+    gradcheck_mlp,
+    nf4_base,
+    random_mlp,
+    trainable_tensors,
+)
 
 from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions import gated_mlp
@@ -200,13 +207,5 @@ def test_many_ranks_gradcheck(monkeypatch, mlp_calls, activation):
         "gate-up-down", torch.float64, tokens=tokens, seed=3, hidden=6, intermediate=intermediate,
         down_rank=MANY_RANKS,
     )  # fmt: skip
-    plan = DtypePlan(torch.float64, torch.float64)
-
-    def function(x, *tensors):
-        it = iter(tensors)
-        new_loras = [LoraWeights(next(it), next(it), lora.scale) for lora in loras]
-        new_bases = [FrozenBase(b.weight, next(it) if b.bias is not None else None, None) for b in bases]
-        return fused_gated_mlp(x, new_bases, new_loras, plan, activation)
-
-    assert torch.autograd.gradcheck(function, trainable_tensors(x, bases, loras))
+    assert gradcheck_mlp(x, bases, loras, activation)
     assert len(mlp_calls["gated_act_backward_keeping_hidden_"]) >= 2, "gradcheck ran the two-launch path"
