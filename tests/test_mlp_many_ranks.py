@@ -209,3 +209,42 @@ def test_many_ranks_gradcheck(monkeypatch, mlp_calls, activation):
     )  # fmt: skip
     assert gradcheck_mlp(x, bases, loras, activation)
     assert len(mlp_calls["gated_act_backward_keeping_hidden_"]) >= 2, "gradcheck ran the two-launch path"
+
+
+@pytest.mark.parametrize("layout_id", ["nf4-fp32adapters", "nf4-bf16adapters"])
+def test_many_ranks_behind_the_augmented_dh(monkeypatch, mlp_calls, layout_id):
+    # A 4-bit down's dh may take its LoRA term inside its GEMM's K (`augmented_k`; the rule is forced
+    # here): that dh, too, has gate's dtype and a unit column stride, and becomes h's buffer.
+    augmented_dh = []
+    real_augmented_grad_x = gated_mlp.augmented_grad_x
+
+    def spy(*args):
+        augmented_dh.append(real_augmented_grad_x(*args))
+        return augmented_dh[-1]
+
+    monkeypatch.setattr(gated_mlp, "augmented_member", lambda *args: 0)
+    monkeypatch.setattr(gated_mlp, "augmented_grad_x", spy)
+    x, bases, loras, plan = mlp_in_layout(layout_id, "gate-up-down", MANY_RANKS)
+    out, grads, grad_out, tensors = run(monkeypatch, x, bases, loras, plan, "silu", chunks=1)
+    # The augmented path chunks dh's rows again (dh and its left operand share the chunk budget).
+    kept = [args[0] for args in mlp_calls["gated_act_backward_keeping_hidden_"]]
+    assert augmented_dh and len(kept) == len(augmented_dh)
+    assert all(h is dh for h, dh in zip(kept, augmented_dh))
+    read = [args[1] for args in mlp_calls["lora_weight_grad"]]
+    assert all(h is dh for h, dh in zip(read, augmented_dh, strict=True)), "dA_down reads dh's buffer"
+    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
+    swap = dict(zip(map(id, tensors), tensors64))
+
+    def in64(t):
+        return None if t is None else swap.get(id(t), t)
+
+    out64 = float64_mlp(
+        in64(x),
+        [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases],
+        [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras],
+        "silu",
+        plan,
+    )
+    grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
+    for grad, grad64 in zip(grads, grads64, strict=True):
+        assert_rel_close(grad, grad64, LAYOUTS[layout_id][-1], "a gradient")
