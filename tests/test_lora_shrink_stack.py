@@ -92,7 +92,7 @@ def test_the_split_rule_is_told_every_rank_tile(weight_dtype, monkeypatch):
 
     monkeypatch.setattr(LaunchPlans, "enabled", False)
     asked = []
-    monkeypatch.setattr(lora_shrink_stack, "shrink_splits", lambda *args: asked.append(args) or 2)
+    monkeypatch.setattr(lora_terms, "shrink_splits", lambda *args: asked.append(args) or 2)
     x, weights = _operands(37, 70, (70, 50, 20), BF16, weight_dtype)
     xa, _ = _lora_shrink_stack_triton(x=x, weights=weights)
     assert rel_err(xa, _truth(x, weights)) < 1e-5

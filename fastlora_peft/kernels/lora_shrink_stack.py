@@ -32,14 +32,13 @@ from fastlora_peft.call_traces import trace_unit
 from fastlora_peft.kernels import lora_terms_reference as reference
 from fastlora_peft.kernels._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from fastlora_peft.kernels._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
-from fastlora_peft.kernels._lora_common import _check_devices, _num_sms, _programs_per_sm
+from fastlora_peft.kernels._lora_common import _check_devices
 from fastlora_peft.kernels.dots import dot_precision
 from fastlora_peft.kernels.lora_terms import (
     _check_shrink,
     _shrink_config,
     lora_shrink,
-    shrink_shared_bytes,
-    shrink_splits,
+    shrink_k_splits,
 )
 from fastlora_peft.kernels.shrink_tiles import shrink_loop, store_shrink, store_weight_t
 from fastlora_peft.kernels.split_sum import split_scratch
@@ -161,17 +160,7 @@ def _lora_shrink_stack_triton(
     block_m, block_k = block_m or config.block_m, block_k or config.block_k
     num_warps, num_stages = config.num_warps, config.num_stages
     row_blocks = cdiv(M, block_m)
-    if split is None:
-        per_sm = config.per_sm
-        if per_sm is None:
-            shared_bytes = shrink_shared_bytes(
-                block_m, block_k, block_r, num_stages, x.element_size(), weights[0].element_size()
-            )
-            per_sm = _programs_per_sm(x.device, shared_bytes)
-        tiles = row_blocks * cdiv(R, block_r)
-        split = shrink_splits(tiles, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
-    k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
-    split = cdiv(K, k_per_split)  # no empty splits
+    split, k_per_split = shrink_k_splits(config, x, weights[0], R, block_m, block_k, num_stages, split)
     out = empty_2d(M, R, torch.float32, x.device, column_major=True)
     weight_t = empty_2d(K, R, weights[0].dtype, x.device)
     r_tiles = cdiv(R, block_r)

@@ -244,6 +244,35 @@ class _ShrinkConfig(NamedTuple):
     per_sm: Optional[int] = None  # None: as many as the tiles' shared memory allows
 
 
+def shrink_k_splits(
+    config: _ShrinkConfig,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ranks: int,
+    block_m: int,
+    block_k: int,
+    num_stages: int,
+    split: int | None = None,
+) -> tuple[int, int]:
+    """(splits, K columns a split) of a shrink launch of x `[M, K]` against `ranks` ranks in
+    `config`'s rank tiles (`lora_shrink`'s, `lora_shrink_stack`'s): the given `split`, else
+    `shrink_splits`' for every rank tile's row blocks, with the programs an SM holds by the tiles'
+    shared memory where the config does not fix them. Splits cover whole `block_k` steps; none is
+    empty."""
+    M, K = x.shape
+    if split is None:
+        per_sm = config.per_sm
+        if per_sm is None:
+            shared_bytes = shrink_shared_bytes(
+                block_m, block_k, config.block_r, num_stages, x.element_size(), weight.element_size()
+            )
+            per_sm = _programs_per_sm(x.device, shared_bytes)
+        tiles = cdiv(M, block_m) * cdiv(ranks, config.block_r)
+        split = shrink_splits(tiles, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
+    k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
+    return cdiv(K, k_per_split), k_per_split
+
+
 def _shrink_config(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -324,17 +353,7 @@ def _lora_shrink_triton(
     block_m, block_k = block_m or config.block_m, block_k or config.block_k
     num_warps, num_stages = num_warps or config.num_warps, num_stages or config.num_stages
     row_blocks = cdiv(M, block_m)
-    if split is None:
-        per_sm = config.per_sm
-        if per_sm is None:
-            shared_bytes = shrink_shared_bytes(
-                block_m, block_k, block_r, num_stages, x.element_size(), weight.element_size()
-            )
-            per_sm = _programs_per_sm(x.device, shared_bytes)
-        tiles = row_blocks * cdiv(R, block_r)
-        split = shrink_splits(tiles, cdiv(K, block_k), config.fills_wave, _num_sms(x.device), per_sm)
-    k_per_split = cdiv(cdiv(K, max(split, 1)), block_k) * block_k
-    split = cdiv(K, k_per_split)  # no empty splits
+    split, k_per_split = shrink_k_splits(config, x, weight, R, block_m, block_k, num_stages, split)
     # The result is handed out token-major ([M, R] with strides (1, M)), the layout lora_weight_grad
     # wants its left operand in, so xa and dY @ B reach it without a transposed copy. Deterministic:
     # the splits' partials are summed in split order inside the kernel (split_sum).
