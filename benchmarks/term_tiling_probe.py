@@ -55,7 +55,9 @@ def cases(tokens: int, hidden: int, kv: int, inter: int, rank: int, right_dtype,
     found = {}
 
     # o_proj's dX: dY [M, out] @ W [out, in] + scale * (dY B) [M, r] @ A^T ([in, r] is A's transpose).
-    left = randn(tokens, rank, dtype=torch.float32)
+    # Lefts token-major, as the shrinks hand them over (the launchers copy them row-major from 64
+    # ranks, `lora_addmm.copies_left`, and that copy is part of what the model runs).
+    left = randn(rank, tokens, dtype=torch.float32).T
     right = randn(hidden, rank, dtype=right_dtype, scale=0.05)
     found["o dX"] = (
         lambda: lora_addmm._lora_addmm_tma_triton(
@@ -81,7 +83,7 @@ def cases(tokens: int, hidden: int, kv: int, inter: int, rank: int, right_dtype,
         x.double() @ weights[0].double().T + 2.0 * left.double() @ right.double().T,
     )
     # q/k/v dX summed: sum_i dY_i @ W_i + scale * [dY_q B_q, dY_k B_k, dY_v B_v] @ [A_q; A_k; A_v]^T.
-    left3 = randn(tokens, 3 * rank, dtype=torch.float32)
+    left3 = randn(3 * rank, tokens, dtype=torch.float32).T
     right3 = randn(hidden, 3 * rank, dtype=right_dtype, scale=0.05)
     found["qkv dX sum"] = (
         lambda: lora_addmm_sum._lora_addmm_sum_tma_triton(
