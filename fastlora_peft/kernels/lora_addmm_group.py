@@ -220,13 +220,14 @@ def _lora_addmm_group_tma_triton(
     outs = [torch.empty((M, n), dtype=a.dtype, device=a.device) for n in widths]
     copied = tuple(right_i.stride(1) != 1 for right_i in right)
     right = [r.contiguous() if copy else r for r, copy in zip(right, copied)]
-    left_copied = copies_left(max(left_i.shape[1] for left_i in left), left[0])
+    most_ranks = max(left_i.shape[1] for left_i in left)  # the term's tiling and copy follow the widest
+    left_copied = copies_left(most_ranks, left[0])
     left = _row_major(left) if left_copied else left
     block_m, block_n, block_k, warps, stages = config or tma_config(M, sum(widths), a.device)
     slot = [min(i, members - 1) for i in range(MAX_MEMBERS)]  # slots past the group repeat the last
     tiles = sum(cdiv(M, block_m) * cdiv(n, block_n) for n in widths)
     programs = tma_programs(tiles, a.device)
-    rank_tile, rank_stages = term_tiling(max(left_i.shape[1] for left_i in left))
+    rank_tile, rank_stages = term_tiling(most_ranks)
     sizes = (M, *(widths[i] for i in slot), K, *(left[i].shape[1] for i in slot))
     right_strides = tuple(stride for i in slot for stride in right[i].stride())
     bound = _lora_addmm_group_tma_kernel[(programs,)](
