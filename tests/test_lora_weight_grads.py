@@ -116,6 +116,8 @@ def test_each_problem_keeps_its_split_partials_apart():
         ([(48, 64), (16, 64), (16, 32), (16, 32)], [(0,), (1, 2, 3)]),  # q/k/v: dA of rank 3r alone
         ([(8, 64)] * 5, [(0, 1, 2, 3), (4,)]),  # at most MAX_PROBLEMS a launch
         ([(32, 64), (32, 9000)], [(0,), (1,)]),  # rank 32: 128-row steps up to 8192 columns, 64 past
+        ([(70, 64), (70, 9000)], [(0,), (1,)]),  # two 64-wide rank tiles: 4 warps up to 8192 columns
+        ([(70, 64), (70, 8192)], [(0, 1)]),
         ([(16, 64), (16, 0), (16, 64)], [(0, 2), (1,)]),  # no columns: lora_weight_grad's zeros
         ([(16, 64), (16, 1)], [(0,), (1,)]),  # one column (K = 1, and a row stride of 1)
     ],
@@ -123,6 +125,47 @@ def test_each_problem_keeps_its_split_partials_apart():
 def test_launch_groups_joins_what_lora_weight_grad_tiles_alike(shapes, expected):
     lefts, xs, _ = _problems(9, shapes, BF16)
     assert launch_groups(lefts, xs) == expected
+
+
+@pytest.mark.parametrize(
+    "rank, columns, tokens, rows_and_warps",
+    [
+        (16, 64, 8192, (64, 8)), (16, 9000, 8192, (64, 8)), (32, 64, 8192, (128, 8)),
+        (32, 9000, 8192, (64, 8)), (40, 64, 8192, (64, 4)), (64, 8192, 8192, (64, 4)),
+        (128, 64, 2048, (64, 4)), (64, 9000, 8192, (64, 8)), (64, 64, 8191, (128, 8)),
+        (40, 64, 2048, (128, 8)),
+    ],
+)  # fmt: skip
+def test_grouped_tiling_by_ranks_columns_and_tokens(rank, columns, tokens, rows_and_warps):
+    """Row steps and warps of a grouped launch (session48's probes, docs/benchmarks.md): 64-wide rank
+    tiles over up to 8192 columns take 64 rows and 4 warps from 8192 tokens on, or with two rank
+    tiles (q/k/v's dB at rank 128 and 8192 tokens 164 -> 131 us); one such tile under 8192 tokens,
+    and 32-wide tiles, 128 rows; past 8192 columns, or at rank 16, 64 rows and 8 warps."""
+    assert single_module.weight_grad_tiling(rank, columns, tokens) == rows_and_warps
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "rank, rows_and_warps", [(70, (64, 4)), (40, (128, 8)), (20, (128, 8)), (9, (64, 8))]
+)
+def test_grouped_launch_takes_the_tiling_rules_rows_and_warps(rank, rows_and_warps, monkeypatch):
+    """With no row step or warps given, `_launch_group` launches with `weight_grad_tiling`'s rows and
+    warps for its rank, first member's columns and tokens, and stays exact."""
+    lefts, xs, scales = _problems(37, [(rank, 40), (rank, 33)], BF16)
+    outs = [group_module._new_out(rank, k, False, FP32, DEVICE) for k in (40, 33)]
+    kernel = group_module._lora_weight_grad_group_kernel
+    launched = []
+    real_launch = kernel.launch
+
+    def recording(grid, args, meta):
+        launched.append((meta["BLOCK_M"], meta["num_warps"]))
+        return real_launch(grid, args, meta)
+
+    monkeypatch.setattr(kernel, "launch", recording)
+    group_module._launch_group(lefts, xs, scales, outs, block_k=16)
+    assert launched == [rows_and_warps]
+    for out, left, x, scale in zip(outs, lefts, xs, scales):
+        assert rel_err(out, _truth(left, x, scale)) < 1e-5
 
 
 def test_launch_groups_keeps_other_layouts_and_dtypes_apart(monkeypatch):

@@ -135,20 +135,32 @@ _MIN_ROWS_PER_SPLIT = 512
 # dot), each launch timed by its kernel with L2 flushed (docs/benchmarks/session30/
 # wgrad_rows_probe.log): at 8192 tokens and K=4096, ranks 32, 48 (q/k/v's stacked dA), 64 and 128
 # took 30.0 / 39.9 / 42.6 / 70.0us in 64-row steps against 36.4 / 49.6 / 51.2 / 99.8 in the 128-row
-# steps they took before (`weight_grad_block_m`, tuned for the tf32x3 dot the split dot replaced). At
+# steps they took before (the grouped kernel's rule, tuned for the tf32x3 dot the split dot replaced). At
 # 2048 tokens 128 rows were ahead by at most 2.5us (rank 64), and behind by 5.7us at rank 128.
 _SINGLE_BLOCK_M = 64
 
 
-def weight_grad_block_m(block_r: int, columns: int) -> int:
-    """Token rows per step of the grouped kernel's tiles (`lora_weight_grad_group`) of `block_r` ranks
-    and `columns` (K) columns."""
+def weight_grad_tiling(rank: int, columns: int, tokens: int) -> tuple[int, int]:
+    """(token rows per step, warps) of the grouped kernel's programs (`lora_weight_grad_group`) for
+    problems of `rank` ranks over `columns` (K) columns and `tokens` rows; its rank tile is
+    `_rank_block(rank, cap=64)`."""
+    block_r = _rank_block(rank, cap=64)
     # H200, M=8192, bf16 x, fp32 left (tf32x3): at K=4096 and rank 32, 128-row steps took 58us against
     # 127us for 64 rows; at rank 16, or K=14336, 64 rows were as fast or faster. With the split dot, o's
-    # dA and dB at rank 32 and 8192 tokens still took 59.5us in 128-row steps against 71.7 in 64, at
-    # rank 64 94.0 against 98.1; at 2048 tokens rank 32 went the other way, 24.8 against 20.5
-    # (session30/wgrad_rows_probe.log). Rank 16, the usual, takes 64 either way.
-    return 128 if block_r >= 32 and columns <= 8192 else 64
+    # dA and dB at rank 32 and 8192 tokens still took 59.5us in 128-row steps against 71.7 in 64; at
+    # 2048 tokens rank 32 went the other way, 24.8 against 20.5 (session30/wgrad_rows_probe.log). Rank
+    # 16, the usual, takes 64 rows either way.
+    # 64-wide rank tiles (33+ ranks) over up to 8192 columns: 64 rows and 4 warps, against 128 rows
+    # and 8 warps, read at 8192 tokens 0.90 / 0.95 / 0.78x (q/k/v's three dB at rank 48 / 64 / 128)
+    # and 0.89 / 0.92 / 0.84x (o_proj's dA and dB); at 2048 tokens 0.87 / 0.88x at rank 128 but
+    # 1.00-1.12x at 48 and 64, which keep the old tiling there (one rank tile, under 8192 tokens).
+    # 64 rows with 8 warps were the slowest (q/k/v's dB 87.9 / 155.7us at 64 / 128 against 81.5 /
+    # 164.1 before and 77.6 / 130.8 after). Past 8192 columns (the MLP's gate/up dB, 64 rows already)
+    # 8 warps stayed ahead: 4 read 1.03 / 1.15 / 1.10x at ranks 32 / 64 / 128.
+    # (docs/benchmarks/session48/wgrad_rank_probe.log, wgrad_rule_ab.log.)
+    if block_r == 64 and columns <= 8192 and (rank > 64 or tokens >= 8192):
+        return 64, 4
+    return (128 if block_r >= 32 and columns <= 8192 else 64), 8
 
 
 def token_splits(M: int, tiles: int, device: torch.device) -> int:

@@ -5,9 +5,9 @@ shapes allow.
 A projection's backward makes dA (`grad_xa` against x) and dB (`xa` against dY); a q/k/v group makes
 dA of all three in one pass and a dB per member: four `lora_weight_grad` launches, each costing a
 launch's host time in blocks that are host-bound (docs/benchmarks.md). Here the gradients that tile
-alike (same rank, rank tile, row tile (`weight_grad_block_m`) and activation dtype, the lefts of one
-set of strides) run as one launch of a grouped kernel: o_proj's dA and dB, q/k/v's three
-dB, the MLP's gate, up and down dB. Each program of the grouped kernel picks its problem from its column
+alike (same rank, rank tile, row tile and warps (`weight_grad_tiling`) and activation dtype, the
+lefts of one set of strides) run as one launch of a grouped kernel: o_proj's dA and dB, q/k/v's
+three dB, the MLP's gate, up and down dB. Each program of the grouped kernel picks its problem from its column
 tile (problem 0's tiles first) and then runs `lora_weight_grad`'s loop for that tile; the token
 splits are chosen once for all the group's tiles. A gradient with no partner (q/k/v's dA, of rank 3r)
 takes `lora_weight_grad`'s own kernel.
@@ -45,7 +45,7 @@ from fastlora_peft.kernels.lora_weight_grad import (
     _store_weight_grad,
     _weight_grad_loop,
     _weight_grad_plan_key,
-    weight_grad_block_m,
+    weight_grad_tiling,
 )
 from fastlora_peft.kernels.split_sum import split_scratch
 
@@ -218,20 +218,21 @@ def _launch_group(
     split: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = 3,
 ) -> Optional[tuple[BoundLaunch, tuple, tuple, Optional[tuple[int, int]]]]:
     """One launch of the grouped kernel for 1 to MAX_PROBLEMS problems of one rank, into `outs`.
 
     Returns (bound launch, its scalar arguments before and after the scales, its scratch sizes), or
     None when interpreted. The rank and column tiles are `_lora_weight_grad_triton`'s, the row tile
-    `weight_grad_block_m`'s (`launch_groups` groups only problems it tiles alike); the token splits
-    fill one wave of the programs the SMs hold (`_group_split`; keyword arguments: tests' smaller
-    tiles and forced splits)."""
+    and warps `weight_grad_tiling`'s (`launch_groups` groups only problems it tiles alike); the token
+    splits fill one wave of the programs the SMs hold (`_group_split`; keyword arguments: tests'
+    smaller tiles and forced splits)."""
     M, R = lefts[0].shape
     widths = [x.shape[1] for x in xs]
     block_r = _rank_block(R, cap=64)
-    block_m = block_m or weight_grad_block_m(block_r, widths[0])
+    rows_per_step, warps = weight_grad_tiling(R, widths[0], M)
+    block_m, num_warps = block_m or rows_per_step, num_warps or warps
     k_tiles = sum(cdiv(width, block_k) for width in widths)
     r_tiles = cdiv(R, block_r)
     if split is None:
@@ -281,7 +282,7 @@ def _group_split(M: int, tiles: int, shared_bytes: int, device: torch.device) ->
 
 def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     """The problems' indices by launch: those the grouped kernel tiles alike (rank, rank and row
-    tiles, activation dtype, unit column stride) with lefts of one rank stride, in order, at most
+    tiles, warps, activation dtype, unit column stride) with lefts of one rank stride, in order, at most
     MAX_PROBLEMS per launch; any other problem alone: every problem with no tokens, rank or columns
     (lora_weight_grad answers with zeros), and one of a single column or an x whose row stride is 1
     (its K or stride, picked beside the others', would leave the launch's x loads without the
@@ -297,7 +298,7 @@ def launch_groups(lefts: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> 
             and rows * rank > 0
             and width > 1
         ):
-            key = (rank, weight_grad_block_m(_rank_block(rank, cap=64), width), x.dtype, left.stride(1))
+            key = (rank, weight_grad_tiling(rank, width, rows), x.dtype, left.stride(1))
         groups.setdefault(key, []).append(index)
     launches = []
     for members in groups.values():
