@@ -168,6 +168,19 @@ def test_grouped_launch_takes_the_tiling_rules_rows_and_warps(rank, rows_and_war
         assert rel_err(out, _truth(left, x, scale)) < 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Llama-3.1-8B sizes: too slow for the interpreter")
+@pytest.mark.parametrize("rank, tokens", [(128, 8192), (64, 8192), (64, 2048)])
+def test_grouped_launch_at_q_k_v_sizes_matches_float64(rank, tokens, triton_launches):
+    """q/k/v's three dB at rank 64 / 128 in one grouped launch with the default tiling (64 rows and 4
+    warps from 8192 tokens or two rank tiles, else 128 rows and 8 warps): fp32 accuracy against
+    float64."""
+    lefts, xs, scales = _problems(tokens, [(rank, 4096), (rank, 1024), (rank, 1024)], BF16)
+    outs = lora_weight_grads(lefts, xs, scales, [True] * 3, FP32)
+    assert dict(triton_launches) == {"_lora_weight_grad_group_kernel": 1}
+    for out, left, x, scale in zip(outs, lefts, xs, scales):
+        assert rel_err(out, _truth(left, x, scale)) < 1e-5  # a 16-bit rounding reads ~1e-3
+
+
 def test_launch_groups_keeps_other_layouts_and_dtypes_apart(monkeypatch):
     lefts, xs, _ = _problems(9, [(16, 64)] * 4, BF16)
     xs[1] = xs[1].to(FP16)  # another activation dtype
