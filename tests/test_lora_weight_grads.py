@@ -27,6 +27,7 @@ from fastlora_peft.kernels import _launch
 from fastlora_peft.kernels import lora_weight_grad as single_module
 from fastlora_peft.kernels import lora_weight_grad_group as group_module
 from fastlora_peft.kernels._launch import cdiv
+from fastlora_peft.kernels.dots import SPLIT_DOT, SPLIT_DOT_PAIR
 from fastlora_peft.kernels.lora_weight_grad_group import (
     WeightGradGroupSettings,
     launch_groups,
@@ -179,6 +180,58 @@ def test_grouped_launch_at_q_k_v_sizes_matches_float64(rank, tokens, triton_laun
     assert dict(triton_launches) == {"_lora_weight_grad_group_kernel": 1}
     for out, left, x, scale in zip(outs, lefts, xs, scales):
         assert rel_err(out, _truth(left, x, scale)) < 1e-5  # a 16-bit rounding reads ~1e-3
+
+
+def _record_dot_modes(monkeypatch) -> list[int]:
+    """DOT_MODE of every launch of the two weight-gradient kernels (plans off, so every launch passes
+    the kernel's `launch`)."""
+    monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)
+    modes: list[int] = []
+    for kernel in (single_module._lora_weight_grad_kernel, group_module._lora_weight_grad_group_kernel):
+
+        def recording(grid, args, meta, _launch=kernel.launch):
+            modes.append(meta["DOT_MODE"])
+            return _launch(grid, args, meta)
+
+        monkeypatch.setattr(kernel, "launch", recording)
+    return modes
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "out_dtype, mode", [(BF16, SPLIT_DOT_PAIR), (FP16, SPLIT_DOT_PAIR), (FP32, SPLIT_DOT)]
+)
+def test_gradients_rounded_to_16_bits_take_the_pair_split(out_dtype, mode, monkeypatch):
+    """A bf16 activation against the fp32 left: a gradient rounded to 16 bits in the end (16-bit
+    adapters) multiplies the left's two high bf16 parts, an fp32 one (fp32 adapters) all three; the
+    single and the grouped launch alike, each within its output's rounding of float64."""
+    modes = _record_dot_modes(monkeypatch)
+    lefts, xs, scales = _problems(70, [(20, 40), (20, 33), (20, 17)], BF16)
+    single = lora_weight_grads(lefts[:1], xs[:1], scales[:1], [False], out_dtype)
+    grouped = lora_weight_grads(lefts[1:], xs[1:], scales[1:], [True, False], out_dtype)
+    assert modes == [mode, mode]
+    bound = 1e-5 if out_dtype == FP32 else 4e-3  # one rounding of a 16-bit result
+    for out, left, x, scale in zip(single + grouped, lefts, xs, scales):
+        assert out.dtype == out_dtype and rel_err(out, _truth(left, x, scale)) < bound
+
+
+@needs_triton
+@pytest.mark.parametrize("grouped", [False, True])
+def test_pair_split_keeps_16_significant_bits_of_the_left(grouped, monkeypatch):
+    """The pair's arithmetic, forced on an fp32 result: ~1e-5 relative error against float64 (2**-17
+    per product), under a 16-bit rounding by 100x or more; the high part alone reads ~2e-3. The
+    three-part split beside it is exact to fp32 (~1e-7)."""
+    module = group_module if grouped else single_module
+    lefts, xs, scales = _problems(70, [(20, 40), (20, 33)] if grouped else [(20, 40)], BF16)
+    errors = {}
+    for mode in (SPLIT_DOT, SPLIT_DOT_PAIR):
+        monkeypatch.setattr(module, "weight_grad_dot_mode", lambda *args, _mode=mode: _mode)
+        outs = lora_weight_grads(lefts, xs, scales, [False] * len(lefts), FP32)
+        errors[mode] = max(
+            rel_err(out, _truth(left, x, s)) for out, left, x, s in zip(outs, lefts, xs, scales)
+        )
+    assert errors[SPLIT_DOT] < 1e-6
+    assert 1e-7 < errors[SPLIT_DOT_PAIR] < 3e-5
 
 
 def test_launch_groups_keeps_other_layouts_and_dtypes_apart(monkeypatch):

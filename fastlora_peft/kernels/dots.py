@@ -1,7 +1,8 @@
 """How the kernels feed `tl.dot`: the one place that decides it, and the dot they all call.
 
 Every LoRA kernel multiplies a large activation tile (x, dY, h: 16-bit or fp32, as loaded) by a small
-tile (an adapter, or an fp32 rank-R bottleneck). Three ways, chosen per launch by `dot_mode`:
+tile (an adapter, or an fp32 rank-R bottleneck). Four ways, chosen per launch by `dot_mode` (and
+`weight_grad_dot_mode` for the weight gradients):
 
 * `NATIVE_DOT`: both 16-bit of one dtype, on a GPU: fed as loaded, the 16-bit tensor-core rate; the
   products are exact in the fp32 accumulator.
@@ -13,6 +14,8 @@ tile (an adapter, or an fp32 rank-R bottleneck). Three ways, chosen per launch b
   ordinary fp32 add, as Triton's own tf32x3 does per step: one accumulator carried through the
   whole loop lost accuracy on the H200 (an earlier single-accumulator split gave dA 4.8e-6 relative
   error against PEFT's 5.1e-7 at o_proj size).
+* `SPLIT_DOT_PAIR`: the split's two high parts (16 significant bits of the fp32 tile), for a weight
+  gradient rounded to 16 bits in the end (`weight_grad_dot_mode`): two dots instead of three.
 * `FP32_DOT`: both converted to fp32 and multiplied with `DOT_PRECISION` (3xTF32 for fp32 accuracy).
   fp16 activations against fp32 tiles (an fp16 split would underflow its low part), fp32 activations,
   and everything under the Triton interpreter except the split, which the interpreter runs with its
@@ -27,7 +30,7 @@ import triton.language as tl
 
 from ._backend import TRITON_INTERPRET
 
-FP32_DOT, NATIVE_DOT, SPLIT_DOT = 0, 1, 2
+FP32_DOT, NATIVE_DOT, SPLIT_DOT, SPLIT_DOT_PAIR = 0, 1, 2, 3
 
 # tl.dot precision when an operand is fp32 in FP32_DOT. Plain "tf32" keeps 10 mantissa bits and gives
 # ~5e-4 relative error, far too coarse for fp32 adapter gradients. "tf32x3" splits each fp32 operand
@@ -48,6 +51,23 @@ def dot_mode(activation: torch.Tensor, other: torch.Tensor) -> int:
     if activation.is_cuda and activation.dtype == other.dtype and activation.dtype in _16_BIT:
         return NATIVE_DOT
     return FP32_DOT
+
+
+def weight_grad_dot_mode(activation: torch.Tensor, left: torch.Tensor, out_dtype: torch.dtype) -> int:
+    """`dot_mode` of a weight gradient `left.T @ activation` rounded once to `out_dtype`: the split
+    dot's two high parts (`SPLIT_DOT_PAIR`) where that rounding is to 16 bits (16-bit adapters), the
+    exact three-part split where it stays fp32 (fp32 adapters, the fp32 accuracy of docs/design.md).
+
+    The pair keeps 16 significant bits of the fp32 left: 2.5e-6 relative error against float64 at
+    8192 tokens (three parts: 1.3e-7), 100x under fp16's rounding of the result and 800x under
+    bf16's, so the rounded gradient is the exact one's but where that sits within a few 1e-6 of a
+    rounding boundary. H200, grouped launches at 8192 tokens, pair over three parts
+    (docs/benchmarks/session48/pair_split_probe.log): the MLP's dB 0.91 / 0.77 / 0.76x at rank
+    16 / 64 / 128, q/k/v's three dB 1.00 / 0.87-0.90 / 0.81x, o_proj's dA and dB 0.99 / 0.84 /
+    0.80x (the rank-16 launches of 4096 columns stream at memory speed either way).
+    """
+    mode = dot_mode(activation, left)
+    return SPLIT_DOT_PAIR if mode == SPLIT_DOT and out_dtype in _16_BIT else mode
 
 
 def dot_precision(*dtypes: torch.dtype) -> str:
@@ -90,6 +110,17 @@ def activation_dot(activation, other, acc, DOT_MODE: tl.constexpr, DOT_PRECISION
         else:  # smallest part first, so the step's sum rounds as little as it can
             step = tl.dot(activation, low)
             step = tl.dot(activation, middle, step)
+            step = tl.dot(activation, high, step)
+        result = acc + step
+    elif DOT_MODE == 3:  # SPLIT_DOT_PAIR: other ~ high + middle (16 significant bits), each bf16
+        high = other.to(tl.bfloat16)
+        middle = (other - high.to(tl.float32)).to(tl.bfloat16)
+        if _INTERPRETED:
+            activation = activation.to(tl.float32)
+            step = tl.dot(activation, middle.to(tl.float32), input_precision="ieee")
+            step = tl.dot(activation, high.to(tl.float32), step, input_precision="ieee")
+        else:
+            step = tl.dot(activation, middle)
             step = tl.dot(activation, high, step)
         result = acc + step
     else:  # FP32_DOT

@@ -24,7 +24,7 @@ from fastlora_peft.kernels._lora_common import (
     _rank_block,
     one_wave_splits,
 )
-from fastlora_peft.kernels.dots import activation_dot, dot_mode, dot_precision
+from fastlora_peft.kernels.dots import activation_dot, dot_precision, weight_grad_dot_mode
 from fastlora_peft.kernels.split_sum import split_scratch, split_total
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +224,8 @@ def _lora_weight_grad_triton(
         M, R, K, float(scale), rows_per_split, split,
         left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(left.dtype, x.dtype), DOT_MODE=dot_mode(x, left), SPLIT=split > 1,
+        DOT_PRECISION=dot_precision(left.dtype, x.dtype), DOT_MODE=weight_grad_dot_mode(x, left, out_dtype),
+        SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:

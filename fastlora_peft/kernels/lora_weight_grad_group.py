@@ -35,7 +35,7 @@ from fastlora_peft.kernels._lora_common import (
     _rank_block,
     one_wave_splits,
 )
-from fastlora_peft.kernels.dots import dot_mode, dot_precision
+from fastlora_peft.kernels.dots import dot_precision, weight_grad_dot_mode
 from fastlora_peft.kernels.lora_weight_grad import (
     _MIN_ROWS_PER_SPLIT,
     _WEIGHT_GRAD_PLANS,
@@ -250,7 +250,8 @@ def _launch_group(
     bound = _lora_weight_grad_group_kernel[(k_tiles, split, r_tiles)](
         *_slots(lefts), *_slots(xs), *_slots(outs), partial, counters, *numbers,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(lefts[0].dtype, xs[0].dtype), DOT_MODE=dot_mode(xs[0], lefts[0]),
+        DOT_PRECISION=dot_precision(lefts[0].dtype, xs[0].dtype),
+        DOT_MODE=weight_grad_dot_mode(xs[0], lefts[0], outs[0].dtype),
         SPLIT=split > 1, PROBLEMS=len(xs), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if bound is None:
