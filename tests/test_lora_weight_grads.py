@@ -9,6 +9,8 @@ one launch, q/k/v's three dB in one, in every layout against float64, PEFT's sub
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 from conftest import (
@@ -145,26 +147,43 @@ def test_grouped_tiling_by_ranks_columns_and_tokens(rank, columns, tokens, rows_
     assert single_module.weight_grad_tiling(rank, columns, tokens) == rows_and_warps
 
 
+@pytest.fixture
+def weight_grad_metas(monkeypatch) -> Iterator[list[dict]]:
+    """The keyword arguments (constexprs and launch options) of every launch of the two
+    weight-gradient kernels during a test, in order. Launch plans are off meanwhile (a planned launch
+    does not pass the kernel's `launch`); the wrappers are instance attributes, put back as found
+    afterwards (monkeypatch would leave the bound method behind as one, see conftest's
+    `triton_launches`)."""
+    monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)
+    metas: list[dict] = []
+    kernels = (single_module._lora_weight_grad_kernel, group_module._lora_weight_grad_group_kernel)
+    found = [kernel.__dict__.get("launch") for kernel in kernels]
+    for kernel in kernels:
+
+        def recording(grid, args, meta, _launch=kernel.launch):
+            metas.append(dict(meta))
+            return _launch(grid, args, meta)
+
+        kernel.launch = recording
+    yield metas
+    for kernel, launch in zip(kernels, found):
+        if launch is None:
+            del kernel.launch
+        else:
+            kernel.launch = launch
+
+
 @needs_triton
 @pytest.mark.parametrize(
     "rank, rows_and_warps", [(70, (64, 4)), (40, (128, 8)), (20, (128, 8)), (9, (64, 8))]
 )
-def test_grouped_launch_takes_the_tiling_rules_rows_and_warps(rank, rows_and_warps, monkeypatch):
+def test_grouped_launch_takes_the_tiling_rules_rows_and_warps(rank, rows_and_warps, weight_grad_metas):
     """With no row step or warps given, `_launch_group` launches with `weight_grad_tiling`'s rows and
     warps for its rank, first member's columns and tokens, and stays exact."""
     lefts, xs, scales = _problems(37, [(rank, 40), (rank, 33)], BF16)
     outs = [group_module._new_out(rank, k, False, FP32, DEVICE) for k in (40, 33)]
-    kernel = group_module._lora_weight_grad_group_kernel
-    launched = []
-    real_launch = kernel.launch
-
-    def recording(grid, args, meta):
-        launched.append((meta["BLOCK_M"], meta["num_warps"]))
-        return real_launch(grid, args, meta)
-
-    monkeypatch.setattr(kernel, "launch", recording)
     group_module._launch_group(lefts, xs, scales, outs, block_k=16)
-    assert launched == [rows_and_warps]
+    assert [(meta["BLOCK_M"], meta["num_warps"]) for meta in weight_grad_metas] == [rows_and_warps]
     for out, left, x, scale in zip(outs, lefts, xs, scales):
         assert rel_err(out, _truth(left, x, scale)) < 1e-5
 
@@ -182,34 +201,18 @@ def test_grouped_launch_at_q_k_v_sizes_matches_float64(rank, tokens, triton_laun
         assert rel_err(out, _truth(left, x, scale)) < 1e-5  # a 16-bit rounding reads ~1e-3
 
 
-def _record_dot_modes(monkeypatch) -> list[int]:
-    """DOT_MODE of every launch of the two weight-gradient kernels (plans off, so every launch passes
-    the kernel's `launch`)."""
-    monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)
-    modes: list[int] = []
-    for kernel in (single_module._lora_weight_grad_kernel, group_module._lora_weight_grad_group_kernel):
-
-        def recording(grid, args, meta, _launch=kernel.launch):
-            modes.append(meta["DOT_MODE"])
-            return _launch(grid, args, meta)
-
-        monkeypatch.setattr(kernel, "launch", recording)
-    return modes
-
-
 @needs_triton
 @pytest.mark.parametrize(
     "out_dtype, mode", [(BF16, SPLIT_DOT_PAIR), (FP16, SPLIT_DOT_PAIR), (FP32, SPLIT_DOT)]
 )
-def test_gradients_rounded_to_16_bits_take_the_pair_split(out_dtype, mode, monkeypatch):
+def test_gradients_rounded_to_16_bits_take_the_pair_split(out_dtype, mode, weight_grad_metas):
     """A bf16 activation against the fp32 left: a gradient rounded to 16 bits in the end (16-bit
     adapters) multiplies the left's two high bf16 parts, an fp32 one (fp32 adapters) all three; the
     single and the grouped launch alike, each within its output's rounding of float64."""
-    modes = _record_dot_modes(monkeypatch)
     lefts, xs, scales = _problems(70, [(20, 40), (20, 33), (20, 17)], BF16)
     single = lora_weight_grads(lefts[:1], xs[:1], scales[:1], [False], out_dtype)
     grouped = lora_weight_grads(lefts[1:], xs[1:], scales[1:], [True, False], out_dtype)
-    assert modes == [mode, mode]
+    assert [meta["DOT_MODE"] for meta in weight_grad_metas] == [mode, mode]
     bound = 1e-5 if out_dtype == FP32 else 4e-3  # one rounding of a 16-bit result
     for out, left, x, scale in zip(single + grouped, lefts, xs, scales):
         assert out.dtype == out_dtype and rel_err(out, _truth(left, x, scale)) < bound
@@ -477,7 +480,9 @@ def _float64_grads(x, bases, loras, grads, plan):
 @requires_interpreter  # CPU tensors: on a GPU machine without the interpreter they take the reference
 @pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
 @pytest.mark.parametrize("case", ["o", "qkv"])
-def test_fused_projections_take_their_weight_grads_grouped(case, layout_id, triton_launches):
+def test_fused_projections_take_their_weight_grads_grouped(
+    case, layout_id, triton_launches, weight_grad_metas
+):
     """o_proj's dA and dB in one launch, q/k/v's three dB in one (dA of the three in another), every
     adapter gradient against float64 in every layout the fused path takes."""
     layout = FUNCTION_LAYOUTS[layout_id]
@@ -494,6 +499,10 @@ def test_fused_projections_take_their_weight_grads_grouped(case, layout_id, trit
         "qkv": {"_lora_weight_grad_group_kernel": 1, "_lora_weight_grad_kernel": 1},
     }
     assert {k: v for k, v in triton_launches.items() if "weight_grad" in k} == want[case]
+    if layout[0] == BF16:  # the split dot: all three parts for fp32 adapters, the pair for 16-bit ones
+        want_mode = SPLIT_DOT if layout[1] == FP32 else SPLIT_DOT_PAIR
+        assert [meta["DOT_MODE"] for meta in weight_grad_metas] == [want_mode] * len(weight_grad_metas)
+        assert len(weight_grad_metas) == sum(want[case].values())
     truths = _float64_grads(
         x.reshape(-1, 64), bases, loras, [g.reshape(-1, g.shape[-1]) for g in grads], plan
     )
