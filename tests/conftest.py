@@ -10,7 +10,7 @@ import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -219,6 +219,30 @@ def _kernel_objects() -> dict[str, object]:
             if isinstance(value, CachedKernel):
                 found[name] = value
     return found
+
+
+@contextmanager
+def observed_launches(kernels, observe: Callable[[tuple, tuple, dict], None]) -> Iterator[None]:
+    """Calls `observe(grid, args, meta)` ahead of every launch of `kernels` (`CachedKernel`s) that
+    passes their `launch` (turn launch plans off for the GPU: a planned launch does not). The
+    wrappers are instance attributes, put back as found afterwards: monkeypatch would leave the bound
+    method behind as one (see `triton_launches`), and they nest over `triton_launches`' own."""
+    found = [kernel.__dict__.get("launch") for kernel in kernels]
+    for kernel in kernels:
+
+        def observing(grid, args, meta, _launch=kernel.launch):
+            observe(grid, args, meta)
+            return _launch(grid, args, meta)
+
+        kernel.launch = observing
+    try:
+        yield
+    finally:
+        for kernel, launch in zip(kernels, found):
+            if launch is None:
+                del kernel.launch
+            else:
+                kernel.launch = launch
 
 
 @pytest.fixture

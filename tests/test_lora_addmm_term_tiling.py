@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import observed_launches, rel_err
 from test_lora_addmm import _operands as single_operands
 from test_lora_addmm import _truth as single_truth
 from test_lora_addmm_group import _operands as group_operands
@@ -70,22 +70,14 @@ def term_launches(triton_launches, left_strides) -> Iterator[list[tuple[int, int
         group_module._lora_addmm_group_tma_kernel,
         sum_module._lora_addmm_sum_tma_kernel,
     )
-    found = [kernel.__dict__.get("launch") for kernel in kernels]
-    for kernel in kernels:
 
-        def recording(grid, args, meta, _launch=kernel.launch):
-            launched.append((meta["BLOCK_R"], meta["RANK_STAGES"]))
-            tensors = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dim() == 2]
-            left_strides.append([t.stride() for t in tensors if t.dtype == torch.float32])
-            return _launch(grid, args, meta)
+    def observe(grid, args, meta):
+        launched.append((meta["BLOCK_R"], meta["RANK_STAGES"]))
+        tensors = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dim() == 2]
+        left_strides.append([t.stride() for t in tensors if t.dtype == torch.float32])
 
-        kernel.launch = recording
-    yield launched
-    for kernel, launch in zip(kernels, found):
-        if launch is None:
-            del kernel.launch
-        else:
-            kernel.launch = launch
+    with observed_launches(kernels, observe):
+        yield launched
 
 
 @needs_triton

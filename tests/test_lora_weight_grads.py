@@ -17,6 +17,7 @@ from conftest import (
     FUNCTION_LAYOUTS,
     TRITON_INTERPRET,
     compiles_for_sm90_on_cpu,
+    observed_launches,
     rel_err,
     requires_interpreter,
 )
@@ -151,26 +152,12 @@ def test_grouped_tiling_by_ranks_columns_and_tokens(rank, columns, tokens, rows_
 def weight_grad_metas(monkeypatch) -> Iterator[list[dict]]:
     """The keyword arguments (constexprs and launch options) of every launch of the two
     weight-gradient kernels during a test, in order. Launch plans are off meanwhile (a planned launch
-    does not pass the kernel's `launch`); the wrappers are instance attributes, put back as found
-    afterwards (monkeypatch would leave the bound method behind as one, see conftest's
-    `triton_launches`)."""
+    does not pass the kernel's `launch`; `observed_launches` puts the kernels back as found)."""
     monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)
     metas: list[dict] = []
     kernels = (single_module._lora_weight_grad_kernel, group_module._lora_weight_grad_group_kernel)
-    found = [kernel.__dict__.get("launch") for kernel in kernels]
-    for kernel in kernels:
-
-        def recording(grid, args, meta, _launch=kernel.launch):
-            metas.append(dict(meta))
-            return _launch(grid, args, meta)
-
-        kernel.launch = recording
-    yield metas
-    for kernel, launch in zip(kernels, found):
-        if launch is None:
-            del kernel.launch
-        else:
-            kernel.launch = launch
+    with observed_launches(kernels, lambda grid, args, meta: metas.append(dict(meta))):
+        yield metas
 
 
 @needs_triton
