@@ -59,12 +59,12 @@ def weight_grad_dot_mode(activation: torch.Tensor, left: torch.Tensor, out_dtype
     exact three-part split where it stays fp32 (fp32 adapters, the fp32 accuracy of docs/design.md).
 
     The pair keeps 16 significant bits of the fp32 left: 2.5e-6 relative error against float64 at
-    8192 tokens (three parts: 1.3e-7), 100x under fp16's rounding of the result and 800x under
-    bf16's, so the rounded gradient is the exact one's but where that sits within a few 1e-6 of a
-    rounding boundary. H200, grouped launches at 8192 tokens, pair over three parts
-    (docs/benchmarks/session48/pair_split_probe.log): the MLP's dB 0.91 / 0.77 / 0.76x at rank
-    16 / 64 / 128, q/k/v's three dB 1.00 / 0.87-0.90 / 0.81x, o_proj's dA and dB 0.99 / 0.84 /
-    0.80x (the rank-16 launches of 4096 columns stream at memory speed either way).
+    8192 tokens (three parts: 1.3e-7; both norm-relative), about 100x under fp16's rounding of the
+    result and 800x under bf16's. H200, 8192 tokens, pair over three parts
+    (docs/benchmarks/session48/pair_split_probe.log, pair_split_probe_single.log), rank 16 / 64 /
+    128: the MLP's dB 0.91 / 0.77 / 0.76x, q/k/v's three dB 1.00 / 0.87-0.90 / 0.81x, o_proj's dA
+    and dB 0.99 / 0.84 / 0.80x, q/k/v's stacked dA 0.81 / 0.76 / 0.82x, the MLP's gate/up dA 0.96 /
+    0.78 / 0.76x.
     """
     mode = dot_mode(activation, left)
     return SPLIT_DOT_PAIR if mode == SPLIT_DOT and out_dtype in _16_BIT else mode
