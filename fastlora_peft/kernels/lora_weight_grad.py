@@ -155,8 +155,9 @@ def weight_grad_tiling(rank: int, columns: int, tokens: int) -> tuple[int, int]:
     # and 0.89 / 0.92 / 0.84x (o_proj's dA and dB); at 2048 tokens 0.87 / 0.88-0.92x at rank 128 but
     # 1.00-1.12x at 48 and 64, which keep the old tiling there (one rank tile, under 8192 tokens).
     # 64 rows with 8 warps read no better than before (q/k/v's dB 87.9us at rank 64 against 81.5,
-    # 155.7 at 128, split once, against 164.1; 77.6 / 130.8 with 4 warps). Past 8192 columns (the MLP's gate/up dB, 64 rows already)
-    # 8 warps stayed ahead: 4 read 1.03 / 1.15 / 1.10x at ranks 32 / 64 / 128.
+    # 155.7 at 128, split once, against 164.1; 77.6 / 130.8 with 4 warps). Past 8192 columns (the
+    # MLP's gate/up dB, 64 rows already) 8 warps stayed ahead: 4 read 1.03 / 1.15 / 1.10x at ranks
+    # 32 / 64 / 128.
     # (docs/benchmarks/session48/wgrad_rank_probe.log, wgrad_rule_ab.log.)
     if block_r == 64 and columns <= 8192 and (rank > 64 or tokens >= 8192):
         return 64, 4
