@@ -193,8 +193,10 @@ def _sweep_table(rows: list[Row], suite: str, axis: str) -> list[str]:
             continue
         floor, peft, fast = by_provider["floor"], by_provider["peft"], by_provider["fastlora"]
         point = fast.tokens if axis == "tokens" else fast.rank
+        # The sweep runs fp32 adapters unless the run left them out (`suites.sweep_adapter`).
+        block = fast.case if fast.adapter == "fp32" else f"{fast.case} ({fast.adapter} adapters)"
         out.append(
-            f"| {fast.case} | {point} | {floor.step_ms:.3f} | {peft.ratios['x_floor']:.2f}x "
+            f"| {block} | {point} | {floor.step_ms:.3f} | {peft.ratios['x_floor']:.2f}x "
             f"| {fast.ratios['x_floor']:.2f}x | {fast.ratios['speedup_vs_peft']:.2f}x |"
         )
     return out + [""]

@@ -30,7 +30,8 @@ from .harness import Clock, Row, Step, graph_stats, peak_memory_mib, time_side_b
 
 SUITES = ("blocks", "e2e", "sweep")
 SWEEP_BLOCKS = ("mlp", "qkv")
-# The sweep's layout is the anchors' (anchors_sweep.json): bf16 base, PEFT's default fp32 adapters.
+# The sweep's layout is the anchors' (anchors_sweep.json): bf16 base, PEFT's default fp32 adapters
+# (`sweep_adapter`: unless the run's adapters leave fp32 out).
 SWEEP_BASE, SWEEP_ADAPTER = "bf16", "fp32"
 BLOCK_MODEL_VOCAB = 128  # block models never run their embeddings: keep them small
 
@@ -151,14 +152,21 @@ def e2e_suite(s: Settings) -> Iterator[Event]:
         free_memory()
 
 
+def sweep_adapter(adapters: tuple[str, ...]) -> str:
+    """The sweep's one adapter dtype: fp32 (the anchors') where the run has it, else the run's first,
+    so `--adapters bf16` sweeps bf16 adapters rather than fp32 ones it was not asked for."""
+    return SWEEP_ADAPTER if SWEEP_ADAPTER in adapters else adapters[0]
+
+
 def sweep_suite(s: Settings) -> Iterator[Event]:
     """MLP and QKV at batch 1: tokens from hundreds to 32k at the main rank, then rank at one size."""
     geo = s.geo
+    adapter = sweep_adapter(s.adapters)
     floor_key = ("floor", "none")
     floor = _adapted(s, floor_key, base=SWEEP_BASE, rank=geo.rank)
     for rank in [geo.rank] + [r for r in geo.sweep_ranks if r != geo.rank]:  # the token sweep first
         yield f"sweep: building rank {rank}"
-        keys = [("peft", SWEEP_ADAPTER), ("fastlora", SWEEP_ADAPTER)]
+        keys = [("peft", adapter), ("fastlora", adapter)]
         models = {floor_key: floor, **{key: _adapted(s, key, base=SWEEP_BASE, rank=rank) for key in keys}}
         copy_lora(models[keys[0]], models[keys[1]])
         per_key = {

@@ -246,6 +246,14 @@ def test_rounds_alternate_the_order_of_the_steps():
     assert set(timings) == set(steps)
 
 
+def test_sweep_runs_the_adapters_the_run_asks_for():
+    from benchmarks.suites import sweep_adapter
+
+    assert sweep_adapter(("fp32", "bf16")) == "fp32"
+    assert sweep_adapter(("bf16", "fp32")) == "fp32"
+    assert sweep_adapter(("bf16",)) == "bf16"
+
+
 def test_ab_tools_put_the_library_defaults_back():
     """After a block, plans_ab and kernel_ab restore the switches as they found them: "auto" stays
     "auto" (a reset to "never" made every later block of a command run without lora_addmm)."""
