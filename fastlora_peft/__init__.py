@@ -5,6 +5,7 @@ model = get_peft_model(model, fastlora_peft.FastLoraConfig(r=16, lora_alpha=32, 
 """
 
 from .config import FastLoraConfig, FastLoraPeftType
+from .grouping import GroupVerificationWarning
 from .interchange import load_plain_lora, to_plain_lora
 from .layers.fused_projection import FastLoraFallbackWarning, FusedPathError
 from .model import FastLoraModel, ModuleRoute
@@ -20,6 +21,7 @@ __all__ = [
     "FastLoraModel",
     "FastLoraPeftType",
     "FusedPathError",
+    "GroupVerificationWarning",
     "ModuleRoute",
     "load_plain_lora",
     "register_fastlora",

@@ -9,7 +9,10 @@
    output, is a gated MLP.
 3. Verify: with each member's lora_B temporarily randomized (zero-initialized B would hide adapter
    wiring), the parent's own forward and the grouped one run on the recorded inputs and must agree;
-   otherwise the group is not installed and the report says why.
+   otherwise the group is not installed and the report says why. A grouped call that ran and gave
+   other numbers is a fault of the fused path, not a structure it does not fit: the model announces
+   it (`GroupVerificationWarning`; `FusedPathError` under `fused_only`), where it would otherwise
+   only have slowed down (a mutated gated kernel passed every model-level test that way).
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from torch import nn
 
 from .blocks import BlockGroup, GatedMlpGroup, SharedInputGroup
 from .layers.fused_projection import FusedProjectionMixin, suppress_fallback_records
+
+# The start of `_verify`'s reason when the grouped call ran and its numbers differed.
+VERIFICATION_MISMATCH = "verification mismatch"
+
+
+class GroupVerificationWarning(UserWarning):
+    """A block group's fused call did not reproduce its parent's own forward at injection, so it was not
+    installed: its members run one by one (each still fused where it can), slower, with correct
+    numbers. This points at a fault in fastlora_peft's grouped path for this model."""
+
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -241,7 +254,7 @@ def _verify(group: BlockGroup, trace: _Trace) -> Optional[str]:
     )
     if not expected or error > _tolerance(expected[0].dtype):
         group.uninstall()
-        return f"verification mismatch: relative error {error:.2e}"
+        return f"{VERIFICATION_MISMATCH}: relative error {error:.2e}"
     group.fused_calls = 0
     group.unfused_calls.clear()
     return None

@@ -8,6 +8,7 @@ ours) and, after injection, says which modules take the fused path and which do 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import Counter
 from typing import NamedTuple, Optional
 
@@ -16,8 +17,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .blocks import BlockGroup
-from .grouping import group_blocks, parent_module_name
-from .layers.fused_projection import FusedProjectionMixin, announce_fallback
+from .grouping import VERIFICATION_MISMATCH, GroupVerificationWarning, group_blocks, parent_module_name
+from .layers.fused_projection import FusedPathError, FusedProjectionMixin, announce_fallback
 from .layers.linear import dispatch_fastlora_linear
 
 
@@ -63,10 +64,11 @@ class FastLoraModel(LoraModel):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._announce_routes(model, adapter_name)
-        if getattr(self.peft_config[adapter_name], "fuse_blocks", False):
-            self._group_blocks(model)
+        config = self.peft_config[adapter_name]
+        if getattr(config, "fuse_blocks", False):
+            self._group_blocks(model, fused_only=bool(getattr(config, "fused_only", False)))
 
-    def _group_blocks(self, model: nn.Module) -> None:
+    def _group_blocks(self, model: nn.Module, fused_only: bool = False) -> None:
         groups = self.__dict__.setdefault("_fastlora_groups", [])
         not_grouped = self.__dict__.setdefault("_fastlora_not_grouped", {})
         installed, reasons = group_blocks(model, {group.parent for group in groups})
@@ -74,6 +76,7 @@ class FastLoraModel(LoraModel):
         for group in installed:
             not_grouped.pop(group.parent_name, None)
         not_grouped.update(reasons)
+        _announce_group_mismatches(reasons, fused_only)
 
     def fastlora_groups(self) -> list[BlockGroup]:
         """The installed block groups (q/k/v, gated MLPs), each one fused autograd call."""
@@ -138,6 +141,23 @@ class FastLoraModel(LoraModel):
             reasons = "; ".join(route.reasons)
             lines.append(f"{route.name:50} {route.base:10} {route.path:6} {route.group:36} {reasons}")
         return "\n".join(lines)
+
+
+def _announce_group_mismatches(not_grouped: dict[str, str], fused_only: bool) -> None:
+    """Every group whose grouped call gave other numbers than its parent's own forward at injection
+    (`grouping.VERIFICATION_MISMATCH`): a warning each, or `FusedPathError` under `fused_only`. The
+    other reasons a parent is not grouped (a structure the groups do not fit) stay in the report."""
+    for parent_name, reason in not_grouped.items():
+        if VERIFICATION_MISMATCH not in reason:
+            continue
+        message = (
+            f"fastlora_peft: the fused block group of {parent_name or 'the model'} did not reproduce its "
+            f"parent's own forward ({reason}); its members run one by one. This is a fault of the fused "
+            "path for this model; model.fastlora_report() lists it."
+        )
+        if fused_only:
+            raise FusedPathError(message)
+        warnings.warn(message, GroupVerificationWarning, stacklevel=4)
 
 
 def _static_reason(module: nn.Module, adapter_name: str) -> Optional[str]:

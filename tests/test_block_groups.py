@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastlora_peft import FastLoraConfig
+from fastlora_peft import FastLoraConfig, FusedPathError, GroupVerificationWarning
+from fastlora_peft import blocks as blocks_module
 from fastlora_peft.blocks import GatedMlpGroup, SharedInputGroup
 
 HIDDEN = 40
@@ -187,6 +189,27 @@ def test_gated_mlp_under_the_models_root_is_grouped():
     assert isinstance(group, GatedMlpGroup) and group.parent_name == "" and group.activation == "silu"
     (out,) = assert_step_matches_peft(fast, peft, torch.randn(4, HIDDEN))
     assert type(out.grad_fn).__name__ == MLP_BACKWARD_NODE
+
+
+def test_a_group_whose_fused_call_disagrees_is_announced_and_strict_raises(monkeypatch):
+    """A gated MLP group whose fused call gives other numbers than the parent's own forward is not
+    installed, as before, and no longer quietly: a warning at injection (an error under fused_only),
+    since the members then run one by one, slower, and only the report said why. (pyproject.toml
+    turns this warning into an error in every other test: a model built in a test never has one.)"""
+    real = blocks_module.fused_gated_mlp
+    monkeypatch.setattr(blocks_module, "fused_gated_mlp", lambda *args: real(*args) * 1.5)
+    config = dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])
+    with pytest.warns(GroupVerificationWarning, match=r"model\.layers\.0\.mlp.*verification mismatch"):
+        fast = get_peft_model(tiny_llama(), FastLoraConfig(**config))
+    assert not fast.fastlora_groups()
+    routes = fast.fastlora_report()
+    assert routes and all(r.path == "fused" and "verification mismatch" in r.group for r in routes)
+    with pytest.raises(FusedPathError, match="verification mismatch"):
+        get_peft_model(tiny_llama(), FastLoraConfig(**config, fused_only=True))
+    monkeypatch.setattr(blocks_module, "fused_gated_mlp", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GroupVerificationWarning)
+        assert len(get_peft_model(tiny_llama(), FastLoraConfig(**config)).fastlora_groups()) == 1
 
 
 @pytest.mark.parametrize("pattern", ["qkv", "modified_between"])

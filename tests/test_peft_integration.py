@@ -313,8 +313,10 @@ def test_unsupported_module_type_is_announced():
     [
         {"use_rslora": True},
         {"rank_pattern": {"q_proj": 2, "down_proj": 7}, "alpha_pattern": {"v_proj": 3}},
+        # gate and up with their own ranks and scales inside the gated MLP's one call
+        {"rank_pattern": {"gate_proj": 3}, "alpha_pattern": {"up_proj": 5}},
     ],
-    ids=["rslora", "rank-alpha-pattern"],
+    ids=["rslora", "rank-alpha-pattern", "gate-up-patterns"],
 )
 def test_scaling_options_are_fused_and_match_peft(options):
     fast, peft = fast_and_peft(options)
