@@ -147,6 +147,19 @@ def copy_lora(source: nn.Module, target: nn.Module) -> None:
                 target_params[name].copy_(param)
 
 
+def add_second_adapter(fast: nn.Module, peft: nn.Module, seed: int, **config) -> None:
+    """Adapter "second" on both models from one config (`FastLoraConfig` on `fast`, `LoraConfig` on
+    `peft`), then every adapter of `fast` re-randomized with `seed` and copied into `peft`."""
+    from peft import LoraConfig
+
+    from fastlora_peft import FastLoraConfig
+
+    fast.add_adapter("second", FastLoraConfig(**config))
+    peft.add_adapter("second", LoraConfig(**config))
+    randomize_lora(fast, seed=seed)
+    copy_lora(fast, peft)
+
+
 @contextmanager
 def count_lora_sublayer_calls(model: nn.Module) -> Iterator[dict[str, int]]:
     """Counts forward calls of every PEFT lora_A/lora_B sub-layer: a fused model must show zero."""

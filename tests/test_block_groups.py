@@ -12,6 +12,7 @@ import torch
 from conftest import (
     FUSED_BACKWARD_NODE,
     MLP_BACKWARD_NODE,
+    add_second_adapter,
     assert_lora_grads_match,
     autograd_node_names,
     copy_lora,
@@ -257,11 +258,7 @@ def test_members_of_other_adapters_or_dtypes_run_one_by_one():
     x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(6))
     # Several active adapters, one of them on q and v only: k's active adapters differ from q's.
     fast, peft = toy_pair()
-    second = dict(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"])
-    fast.add_adapter("second", FastLoraConfig(**second))
-    peft.add_adapter("second", LoraConfig(**second))
-    randomize_lora(fast, seed=3)
-    copy_lora(fast, peft)
+    add_second_adapter(fast, peft, seed=3, r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"])
     for model in (fast, peft):
         model.base_model.set_adapter(["default", "second"])
     (group,) = fast.fastlora_groups()
@@ -299,11 +296,7 @@ def test_groups_follow_disable_merge_switch_and_unload():
     assert rel_err(merged, adapted) < 1e-5
     fast.unmerge_adapter()
 
-    second = dict(r=2, lora_alpha=3, target_modules="all-linear")
-    fast.add_adapter("second", FastLoraConfig(**second))
-    peft.add_adapter("second", LoraConfig(**second))
-    randomize_lora(fast, seed=8)
-    copy_lora(fast, peft)
+    add_second_adapter(fast, peft, seed=8, r=2, lora_alpha=3, target_modules="all-linear")
     fast.set_adapter("second")
     peft.set_adapter("second")
     logits = fast(input_ids=ids).logits

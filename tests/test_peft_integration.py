@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import (
     FUSED_BACKWARD_NODE,
+    add_second_adapter,
     assert_lora_grads_match,
     autograd_node_names,
     copy_lora,
@@ -179,11 +180,7 @@ def test_merge_disable_unload_match_peft():
 
 def test_second_adapter_and_several_active_adapters_are_fused():
     fast, peft = fast_and_peft()
-    second = dict(r=3, lora_alpha=5, target_modules=TARGETS)
-    fast.add_adapter("second", FastLoraConfig(**second))
-    peft.add_adapter("second", LoraConfig(**second))
-    randomize_lora(fast, seed=9)
-    copy_lora(fast, peft)
+    add_second_adapter(fast, peft, seed=9, r=3, lora_alpha=5, target_modules=TARGETS)
     ids = input_ids()
 
     fast.set_adapter("second")
@@ -217,11 +214,7 @@ def test_several_active_adapters_that_one_fused_call_cannot_hold_fall_back_annou
     adapter's term taken in fp32, where PEFT computes it in bf16)."""
     config = {"lora_dropout": 0.3} if case == "dropout" else {}
     fast, peft = fast_and_peft(config)
-    second = dict(r=3, lora_alpha=5, target_modules=TARGETS, **config)
-    fast.add_adapter("second", FastLoraConfig(**second))
-    peft.add_adapter("second", LoraConfig(**second))
-    randomize_lora(fast, seed=9)
-    copy_lora(fast, peft)
+    add_second_adapter(fast, peft, seed=9, r=3, lora_alpha=5, target_modules=TARGETS, **config)
     for model in (fast, peft):
         model.base_model.set_adapter(["default", "second"])
         if case == "dtypes":
@@ -245,11 +238,7 @@ def test_several_active_adapters_that_one_fused_call_cannot_hold_fall_back_annou
 
 def test_adapter_names_batch_falls_back_announced():
     fast, peft = fast_and_peft()
-    second = dict(r=3, lora_alpha=5, target_modules=TARGETS)
-    fast.add_adapter("second", FastLoraConfig(**second))
-    peft.add_adapter("second", LoraConfig(**second))
-    randomize_lora(fast, seed=9)
-    copy_lora(fast, peft)
+    add_second_adapter(fast, peft, seed=9, r=3, lora_alpha=5, target_modules=TARGETS)
     ids = input_ids()
     names = ["default", "second"]
     fast.eval()  # PEFT accepts adapter_names only in eval mode
