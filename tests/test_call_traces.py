@@ -296,6 +296,17 @@ def test_a_unit_is_recorded_as_one_call_and_replayed():
     assert len(writes) == before + 1 and torch.equal(result, torch.full((4,), 4.0))
 
 
+def _misaligned_like(x: torch.Tensor) -> torch.Tensor:
+    """A tensor of x's shape, strides, dtype and storage offset (0) whose address is 4 bytes past a
+    16-byte boundary: only its alignment differs (a slice of a larger tensor differs in its storage
+    offset too, and so tells nothing about the alignment's part of a key)."""
+    buffer = torch.empty(x.numel() + 8, dtype=torch.float32)
+    raw = memoryview(buffer.numpy()).cast("B")[4 : 4 + 4 * x.numel()]
+    misaligned = torch.frombuffer(raw, dtype=torch.float32).view(x.shape)
+    assert misaligned.data_ptr() % 16 == 4 and misaligned.storage_offset() == x.storage_offset() == 0
+    return misaligned
+
+
 def test_keys_hold_the_metadata_bodies_decide_on():
     traces = call_traces.call_traces("toy")
     x = torch.randn(4, 6)
@@ -304,16 +315,19 @@ def test_keys_hold_the_metadata_bodies_decide_on():
         "dtype": (x.to(torch.float64),),
         "shape": (torch.randn(4, 5),),
         "strides": (x.t().contiguous().t(),),
-        "alignment": (torch.randn(25)[1:].view(4, 6),),
+        "alignment": (_misaligned_like(x),),
         "storage offset": (torch.randn(28)[4:].view(4, 6),),  # 16 bytes in: aligned as x is
         "requires_grad": (x.clone().requires_grad_(),),
-        "aliasing": (x, x),
         "parts": None,
     }
     for what, tensors in others.items():
         key = traces.key(("q",), (x,)) if tensors is None else traces.key(("p",), tensors)
         assert key != base, what
     assert traces.key(("p",), (x.clone(),)) == base
+    # Aliasing: one tensor passed twice against two alike (a pair against a single tensor, as this
+    # test had it, differs by its length whatever the key holds).
+    assert traces.key(("p",), (x, x)) != traces.key(("p",), (x, x.clone()))
+    assert traces.key(("p",), (x, x.clone())) == traces.key(("p",), (x.clone(), x))
     assert traces.key(("p",), (None,)) is None  # nothing to key on
 
 

@@ -126,11 +126,30 @@ def test_plain_lora_interchange_both_ways(tmp_path):
     assert_fused(out)
     assert rel_err(out, logits(peft)) < 1e-6
 
-    # Into an existing FastLora model, as a second adapter.
+    assert lora_params_trainable(loaded, "default") == {True}
+    frozen = load_plain_lora(tiny_llama(), tmp_path / "lora")  # PEFT's default: for inference
+    assert frozen.peft_config["default"].inference_mode
+    assert lora_params_trainable(frozen, "default") == {False}
+
+    # Into an existing FastLora model, as a second adapter (for inference, then to train).
     host = get_peft_model(tiny_llama(), FastLoraConfig(r=2, target_modules=TARGETS))
     load_plain_lora(host, tmp_path / "lora", adapter_name="imported")
+    assert host.peft_config["imported"].inference_mode
+    assert lora_params_trainable(host, "imported") == {False}
+    load_plain_lora(host, tmp_path / "lora", adapter_name="trained", is_trainable=True)
+    assert not host.peft_config["trained"].inference_mode
+    assert lora_params_trainable(host, "trained") == {True}
     host.set_adapter("imported")
     assert rel_err(logits(host), logits(peft)) < 1e-6
+
+
+def lora_params_trainable(model: nn.Module, adapter_name: str) -> set[bool]:
+    """requires_grad of every lora_A/lora_B parameter of `adapter_name` (a set: all alike or not)."""
+    return {
+        param.requires_grad
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if ("lora_A" in name or "lora_B" in name) and f".{adapter_name}." in name
+    }
 
 
 def test_loading_fastlora_folder_needs_the_import(tmp_path):
