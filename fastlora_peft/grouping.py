@@ -12,7 +12,8 @@
    otherwise the group is not installed and the report says why. A grouped call that ran and gave
    other numbers is a fault of the fused path, not a structure it does not fit: the model announces
    it (`GroupVerificationWarning`; `FusedPathError` under `fused_only`), where it would otherwise
-   only have slowed down (a mutated gated kernel passed every model-level test that way).
+   only have slowed down (a mutated gated kernel passed the parity, PEFT-integration and block-group
+   tests that way).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class FastLoraModel(LoraModel):
         if getattr(config, "fuse_blocks", False):
             self._group_blocks(model, fused_only=bool(getattr(config, "fused_only", False)))
 
-    def _group_blocks(self, model: nn.Module, fused_only: bool = False) -> None:
+    def _group_blocks(self, model: nn.Module, fused_only: bool) -> None:
         groups = self.__dict__.setdefault("_fastlora_groups", [])
         not_grouped = self.__dict__.setdefault("_fastlora_not_grouped", {})
         installed, reasons = group_blocks(model, {group.parent for group in groups})
