@@ -40,8 +40,11 @@ def _projection(in_features, out_features, layout, device, bias, seed):
     generator = torch.Generator().manual_seed(seed)
     dtype, adapter_dtype, quantized = layout
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    bias_tensor = torch.randn(out_features, generator=generator).to(dtype).requires_grad_() if bias else None
-    base = FrozenBase(weight.to(device), None if bias_tensor is None else bias_tensor.to(device), None)
+    # A leaf on its device: `.to("cuda")` of a CPU leaf is a copy whose .grad stays None.
+    bias_tensor = None
+    if bias:
+        bias_tensor = torch.randn(out_features, generator=generator).to(device, dtype).requires_grad_()
+    base = FrozenBase(weight.to(device), bias_tensor, None)
     if quantized:
         import bitsandbytes.functional as bnb_functional
 
@@ -83,6 +86,9 @@ def _step(bases, loras, layout, device, seed, x_grad=True, dropout=False, transp
     grads = [torch.randn(out.shape, generator=generator).to(device, out.dtype) for out in outputs]
     torch.autograd.backward(outputs, grads)
     extra = [x.grad] + ([] if x_lora is None else [x_lora.grad])
+    # Every trainable tensor got its gradient: a missing one would compare None with None.
+    assert all(param.grad is not None for param in params)
+    assert (x.grad is not None) == x_grad and (x_lora is None or x_lora.grad is not None)
     return [out.detach() for out in outputs] + extra + [param.grad for param in params]
 
 
