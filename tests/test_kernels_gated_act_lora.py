@@ -13,9 +13,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TRITON_INTERPRET, LaunchSpy, assert_rel_close, requires_interpreter
+from conftest import (
+    TRITON_INTERPRET,
+    LaunchSpy,
+    assert_rel_close,
+    observed_launches,
+    rel_err,
+    requires_interpreter,
+)
 
 from fastlora_peft.kernels import gated_act, gated_act_lora, gated_act_reference
+from fastlora_peft.kernels.dots import FP32_DOT, SPLIT_DOT, SPLIT_DOT_PAIR
 from fastlora_peft.kernels.gated_act_lora import (
     gated_act_backward_weight_grad_,
     gated_act_backward_weight_grad_op,
@@ -170,6 +178,38 @@ def test_default_geometry_splits_tokens_with_a_partial_last_split(monkeypatch):
     results = run_fused(grad_h, gate_up, case.activation, left)
     assert spy.grids == [(1, 3)]
     check_against_unfused_reference_and_float64(case, grad_h, gate_up, left, *results, unfused=False)
+
+
+@requires_interpreter
+@pytest.mark.parametrize(
+    "dtype, rounded_to, mode",
+    [
+        (BF16, None, SPLIT_DOT),
+        (BF16, FP32, SPLIT_DOT),
+        (BF16, BF16, SPLIT_DOT_PAIR),
+        (BF16, FP16, SPLIT_DOT_PAIR),
+        (FP16, BF16, FP32_DOT),  # the split is for a bf16 h only
+    ],
+)
+def test_a_dA_rounded_to_16_bits_in_the_end_keeps_16_bits_of_left(dtype, rounded_to, mode):
+    """rounded_to names the caller's final rounding of dA: 16 bits let a bf16 h's dot take left's two
+    high bf16 parts (~1e-5 relative error against float64 on the rounded h here, 100x under a 16-bit
+    rounding; the interpreter's cast truncates), anything else all three (fp32 sums only, ~1e-7)."""
+    grad_h, gate_up, left = make_inputs(dtype, 5)
+    gate, up = halves(gate_up)
+    truth = SCALE * left.double().T @ gated_act.gated_act_forward(gate, up, "silu").double()
+    modes = []
+    kernel = gated_act_lora._gated_act_backward_weight_grad_kernel
+    with observed_launches([kernel], lambda grid, args, meta: modes.append(meta["DOT_MODE"])):
+        buffer = gate_up.clone()
+        gate, up = halves(buffer)
+        grad_weight = gated_act_backward_weight_grad_(grad_h, gate, up, "silu", left, SCALE, rounded_to)
+    assert modes == [mode] and grad_weight.dtype == FP32
+    error = rel_err(grad_weight, truth)
+    assert 1e-7 < error < 3e-5 if mode == SPLIT_DOT_PAIR else error < ROUNDED_H_TOLERANCE
+    # The gradients of gate and up do not depend on it.
+    wanted_gate, wanted_up, _ = run_fused(grad_h, gate_up, "silu", left)
+    assert torch.equal(gate, wanted_gate) and torch.equal(up, wanted_up)
 
 
 # --- which path runs -----------------------------------------------------------------------------
@@ -330,6 +370,8 @@ def test_plan_key_holds_the_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the key's device (CPU here)
     grad_h, gate_up, left = make_inputs(BF16, 5)
     gate, up = halves(gate_up)
-    key = gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left)
+    key = gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left, None)
+    # ... nor one made for another final rounding (another dot).
+    assert gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left, BF16) != key
     monkeypatch.setattr(gated_act_lora.GatedBackwardSettings, "launch", (32, 64, 4, 2, 2))
-    assert gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left) != key
+    assert gated_act_lora._weight_grad_plan_key(grad_h, gate, up, "silu", left, None) != key

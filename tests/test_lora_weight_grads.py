@@ -206,6 +206,22 @@ def test_gradients_rounded_to_16_bits_take_the_pair_split(out_dtype, mode, weigh
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "rounded_to, mode",
+    [(None, SPLIT_DOT), (FP32, SPLIT_DOT), (BF16, SPLIT_DOT_PAIR), (FP16, SPLIT_DOT_PAIR)],
+)
+def test_an_fp32_result_rounded_to_16_bits_later_takes_the_pair(rounded_to, mode, weight_grad_metas):
+    """rounded_to: the caller sums fp32 results and rounds the sum to 16 bits in the end (the gated
+    MLP's dA_down chunks past its fused kernel's ranks): the pair's dot, and still an fp32 result."""
+    lefts, xs, scales = _problems(70, [(20, 40)], BF16)
+    out = single_module.lora_weight_grad(lefts[0], xs[0], scales[0], rounded_to=rounded_to)
+    assert [meta["DOT_MODE"] for meta in weight_grad_metas] == [mode]
+    assert out.dtype == FP32
+    error = rel_err(out, _truth(lefts[0], xs[0], scales[0]))
+    assert 1e-7 < error < 3e-5 if mode == SPLIT_DOT_PAIR else error < 1e-6
+
+
+@needs_triton
 @pytest.mark.parametrize("grouped", [False, True])
 def test_pair_split_keeps_16_significant_bits_of_the_left(grouped, monkeypatch):
     """The pair's arithmetic, forced on an fp32 result: ~1e-5 relative error against float64 (2**-17

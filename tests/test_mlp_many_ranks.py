@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_rel_close
+from conftest import TRITON_INTERPRET, assert_rel_close, observed_launches
 from test_mlp_chunks import (
     MLP_LAYOUTS,
     bytes_for_chunks,
@@ -28,6 +28,9 @@ from fastlora_peft.dtypes import DtypePlan
 from fastlora_peft.functions import gated_mlp
 from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materialize_weight
 from fastlora_peft.functions.gated_mlp import GatedMlpSettings, fused_gated_mlp
+from fastlora_peft.kernels import _launch, gated_act_lora
+from fastlora_peft.kernels import lora_weight_grad as lora_weight_grad_module
+from fastlora_peft.kernels.dots import FP32_DOT, SPLIT_DOT, SPLIT_DOT_PAIR
 from fastlora_peft.kernels.gated_act_lora import FUSED_WEIGHT_GRAD_MAX_RANK
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -248,6 +251,51 @@ def test_many_ranks_behind_the_augmented_dh(monkeypatch, mlp_calls, layout_id):
     grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
     for grad, grad64 in zip(grads, grads64, strict=True):
         assert_rel_close(grad, grad64, LAYOUTS[layout_id][-1], "a gradient")
+
+
+# What dA_down's dot multiplies, by layout: a bf16 h against the fp32 dY @ Bd takes the split dot,
+# its pair where the adapter is 16-bit (the chunks' fp32 sum is rounded once to it in the end); an
+# fp16 or fp32 h takes the fp32 dot either way.
+DOWN_DOT_MODES = {
+    "bf16": SPLIT_DOT_PAIR,
+    "nf4-bf16adapters": SPLIT_DOT_PAIR,
+    "bf16-fp32adapters": SPLIT_DOT,
+    "nf4-fp32adapters": SPLIT_DOT,
+    "fp16": FP32_DOT,
+    "fp16-fp32adapters": FP32_DOT,
+}
+
+
+@pytest.mark.skipif(not TRITON_INTERPRET, reason="the kernels' launches run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("down_rank", [FUSED_WEIGHT_GRAD_MAX_RANK - 3, MANY_RANKS])
+@pytest.mark.parametrize("layout_id", list(DOWN_DOT_MODES))
+def test_dA_down_dot_follows_the_adapter_dtype(monkeypatch, layout_id, down_rank):
+    """Both backward paths (the fused kernel to 16 ranks, `lora_weight_grad` past them) multiply
+    dA_down's operands as its final dtype needs (`dots.weight_grad_dot_mode`): each chunk's launch,
+    and only those, seen inside the call that makes its share."""
+    monkeypatch.setattr(_launch.LaunchPlans, "enabled", False)  # a planned launch is not observed
+    inside, modes = [], []
+    for name in ("gated_act_backward_weight_grad_", "lora_weight_grad"):
+        original = getattr(gated_mlp, name)
+
+        def flagged(*args, _original=original, **kwargs):
+            inside.append(True)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(gated_mlp, name, flagged)
+    kernels = (
+        gated_act_lora._gated_act_backward_weight_grad_kernel,
+        lora_weight_grad_module._lora_weight_grad_kernel,
+    )
+    x, bases, loras, plan = mlp_in_layout(layout_id, "gate-up-down", down_rank)
+    with observed_launches(kernels, lambda grid, args, meta: inside and modes.append(meta["DOT_MODE"])):
+        _, grads, _, tensors = run(monkeypatch, x, bases, loras, plan, "silu", chunks=3)
+    assert modes == [DOWN_DOT_MODES[layout_id]] * 3
+    grad_a_down = grads[[id(t) for t in tensors].index(id(loras[-1].lora_a))]
+    assert grad_a_down.dtype == LAYOUTS[layout_id][2]
 
 
 @pytest.mark.parametrize("layout_id", ["bf16-fp32adapters", "fp16-fp32adapters", "nf4-fp32adapters"])

@@ -216,6 +216,10 @@ def _down_backward_(
     """
     grad_a = None
     tokens, intermediate = gate.shape
+    # dA_down's chunk shares are summed in fp32 and rounded once to the adapter's dtype (backward's
+    # caller): where that is 16 bits, each share's dot keeps 16 significant bits of dY @ Bd (the pair
+    # of `dots.weight_grad_dot_mode`, 2.5e-6 relative error), two bf16 dots instead of three.
+    rounded_to = down_lora.lora_a.dtype
     # dh's LoRA term inside the GEMM's K dimension where that costs less (see augmented_k): a 4-bit
     # down weight is dequantized straight into the augmented weight, once for every chunk; the rule
     # weighs all rows against the path's extra host time, which is paid once (the weight's buffer;
@@ -248,14 +252,14 @@ def _down_backward_(
             # One pass over dh, gate and up instead of three launches that recompute h, read it for
             # dA and read gate/up again (9 passes over [chunk, I] against 5, see gated_act_lora).
             grad_a_rows = gated_act_backward_weight_grad_(
-                grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale
+                grad_hidden, gate[rows], up[rows], activation, grad_ha[rows], down_scale, rounded_to
             )
             grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
         elif needs_a:
             # More ranks: the activation's backward leaves h in dh's buffer, and dA reads it there
             # (6 passes and one over h; the fused kernel's dot is slower past its ranks, see there).
             gated_act_backward_keeping_hidden_(grad_hidden, gate[rows], up[rows], activation)
-            grad_a_rows = lora_weight_grad(grad_ha[rows], grad_hidden, down_scale)
+            grad_a_rows = lora_weight_grad(grad_ha[rows], grad_hidden, down_scale, rounded_to=rounded_to)
             grad_a = grad_a_rows if grad_a is None else grad_a.add_(grad_a_rows)
         else:
             gated_act_backward_(grad_hidden, gate[rows], up[rows], activation)

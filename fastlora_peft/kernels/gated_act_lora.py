@@ -38,7 +38,7 @@ from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from ._lora_common import _num_sms, _rank_block
-from .dots import activation_dot, dot_mode, dot_precision
+from .dots import activation_dot, dot_precision, weight_grad_dot_mode
 from .gated_act import (
     _activation_and_derivative,
     _check_inputs,
@@ -218,6 +218,7 @@ def _gated_act_backward_weight_grad_triton(
     activation: str,
     left: torch.Tensor,
     scale: float,
+    rounded_to: torch.dtype | None = None,
     split: int | None = None,
     block_m: int | None = None,
     block_i: int | None = None,
@@ -231,7 +232,7 @@ def _gated_act_backward_weight_grad_triton(
     plan_key = None
     if launch == (None,) * 5 and split is None and block_r is None and _WEIGHT_GRAD_PLANS.enabled:
         # The default launch of these inputs' shapes, strides, dtypes and alignment again: its plan.
-        plan_key = _weight_grad_plan_key(grad_h, gate, up, activation, left)
+        plan_key = _weight_grad_plan_key(grad_h, gate, up, activation, left, rounded_to)
         plan = _WEIGHT_GRAD_PLANS.get(plan_key)
         if plan is not None:
             return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)
@@ -266,8 +267,10 @@ def _gated_act_backward_weight_grad_triton(
         grad_h, gate, up, left, out, partial, counters,
         M, n_cols, R, float(scale), rows_per_split, split, *strides,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
-        # left is fp32: the split dot for a bf16 h, else 3xTF32 (see dots).
-        DOT_PRECISION=dot_precision(left.dtype), DOT_MODE=dot_mode(gate, left), SPLIT=split > 1,
+        # left is fp32: the split dot for a bf16 h (its two high parts where the caller rounds dA to
+        # 16 bits in the end), else 3xTF32 (see dots).
+        DOT_PRECISION=dot_precision(left.dtype),
+        DOT_MODE=weight_grad_dot_mode(gate, left, rounded_to or torch.float32), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
@@ -295,11 +298,11 @@ class _WeightGradPlan(NamedTuple):
 _WEIGHT_GRAD_PLANS = LaunchPlans("gated_act_backward_weight_grad_")
 
 
-def _weight_grad_plan_key(grad_h, gate, up, activation, left) -> tuple:
+def _weight_grad_plan_key(grad_h, gate, up, activation, left, rounded_to) -> tuple:
     """The one key of a plan here: the launcher's and the op body's lookups must agree. It holds the
     settings' launches, so a plan made under others (a benchmark's switch) is not served."""
     settings = (GatedBackwardSettings.launch, GatedBackwardSettings.few_programs_launch)
-    return _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left, settings)
+    return _WEIGHT_GRAD_PLANS.key(grad_h, gate, up, activation, left, rounded_to, settings)
 
 
 @trace_unit
@@ -347,15 +350,20 @@ def gated_act_backward_weight_grad_(
     activation: str,
     left: torch.Tensor,
     scale: float,
+    rounded_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """In place: gate <- grad_gate, up <- grad_up (as ``gated_act_backward_``); returns
-    ``scale * left.T @ h`` [R, I] with ``h = act(gate) * up`` rounded to gate's dtype.
+    ``scale * left.T @ h`` [R, I] (fp32) with ``h = act(gate) * up`` rounded to gate's dtype.
+
+    rounded_to: the dtype the caller rounds the result to in the end (after summing the chunks'),
+    None for fp32. 16 bits let a bf16 h's dot keep 16 significant bits of left (`dots.SPLIT_DOT_PAIR`,
+    2.5e-6 relative error) instead of all 24: two dots instead of three.
 
     `fastlora::gated_act_backward_weight_grad_` (see the module docstring for shapes and dtypes).
     """
     if skips_op_dispatch(grad_h, gate, up, left):
-        return _gated_act_backward_weight_grad_body(grad_h, gate, up, activation, left, scale)
-    return gated_act_backward_weight_grad_op(grad_h, gate, up, activation, left, scale)
+        return _gated_act_backward_weight_grad_body(grad_h, gate, up, activation, left, scale, rounded_to)
+    return gated_act_backward_weight_grad_op(grad_h, gate, up, activation, left, scale, rounded_to)
 
 
 def _gated_act_backward_weight_grad_body(
@@ -365,16 +373,18 @@ def _gated_act_backward_weight_grad_body(
     activation: str,
     left: torch.Tensor,
     scale: float,
+    rounded_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     if _WEIGHT_GRAD_PLANS.serve(gate):  # a hit skips the checks: see lora_terms' `_PLANS_SKIP_CHECKS`
-        plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(grad_h, gate, up, activation, left))
+        plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(grad_h, gate, up, activation, left, rounded_to))
         if plan is not None:
             return _run_weight_grad_plan(plan, grad_h, gate, up, left, scale)
     _check_weight_grad_inputs(grad_h, gate, up, activation, left)
     if runs_triton(gate):
         return _gated_act_backward_weight_grad_triton(
-            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale
-        )
+            grad_h=grad_h, gate=gate, up=up, activation=activation, left=left, scale=scale,
+            rounded_to=rounded_to,
+        )  # fmt: skip
     grad_gate, grad_up, grad_weight = _reference.gated_act_backward_weight_grad(
         grad_h, gate, up, activation, left, scale
     )
@@ -396,6 +406,7 @@ def _(
     activation: str,
     left: torch.Tensor,
     scale: float,
+    rounded_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     _check_weight_grad_inputs(grad_h, gate, up, activation, left)
     return left.new_empty((left.shape[1], gate.shape[1]))

@@ -186,6 +186,7 @@ def _lora_weight_grad_triton(
     scale: float,
     k_major: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    rounded_to: torch.dtype | None = None,
     split: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
@@ -196,7 +197,7 @@ def _lora_weight_grad_triton(
     plan_key = None
     defaults = split is None and block_m is None and block_k == 128 and block_r is None
     if defaults and num_warps == 8 and num_stages == 3 and _WEIGHT_GRAD_PLANS.enabled:
-        plan_key = _weight_grad_plan_key(left, x, k_major, out_dtype)
+        plan_key = _weight_grad_plan_key(left, x, k_major, out_dtype, rounded_to)
         plan = _WEIGHT_GRAD_PLANS.get(plan_key)
         if plan is not None:
             return _run_weight_grad_plan(plan, left, x, scale)
@@ -225,8 +226,8 @@ def _lora_weight_grad_triton(
         M, R, K, float(scale), rows_per_split, split,
         left.stride(0), left.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(left.dtype, x.dtype), DOT_MODE=weight_grad_dot_mode(x, left, out_dtype),
-        SPLIT=split > 1,
+        DOT_PRECISION=dot_precision(left.dtype, x.dtype),
+        DOT_MODE=weight_grad_dot_mode(x, left, rounded_to or out_dtype), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:
@@ -257,9 +258,9 @@ class _WeightGradPlan(NamedTuple):
 _WEIGHT_GRAD_PLANS = LaunchPlans("lora_weight_grad")
 
 
-def _weight_grad_plan_key(left, x, k_major: bool, out_dtype: torch.dtype) -> tuple:
-    """The one key of a weight-grad plan (out_dtype resolved: None is float32)."""
-    return _WEIGHT_GRAD_PLANS.key(left, x, k_major, out_dtype)
+def _weight_grad_plan_key(left, x, k_major: bool, out_dtype: torch.dtype, rounded_to) -> tuple:
+    """The one key of a weight-grad plan (out_dtype resolved: None is float32; rounded_to as given)."""
+    return _WEIGHT_GRAD_PLANS.key(left, x, k_major, out_dtype, rounded_to)
 
 
 @trace_unit
@@ -292,11 +293,12 @@ def lora_weight_grad(
     scale: float,
     k_major: bool = False,
     out_dtype: Optional[torch.dtype] = None,
+    rounded_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``scale * left.T @ x``: `fastlora::lora_weight_grad` (see `_lora_weight_grad_body`)."""
     if skips_op_dispatch(left, x):
-        return _lora_weight_grad_body(left, x, scale, k_major, out_dtype)
-    return lora_weight_grad_op(left, x, scale, k_major, out_dtype)
+        return _lora_weight_grad_body(left, x, scale, k_major, out_dtype, rounded_to)
+    return lora_weight_grad_op(left, x, scale, k_major, out_dtype, rounded_to)
 
 
 def _lora_weight_grad_body(
@@ -305,22 +307,30 @@ def _lora_weight_grad_body(
     scale: float,
     k_major: bool = False,
     out_dtype: Optional[torch.dtype] = None,
+    rounded_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``scale * left.T @ x``, summed over the M tokens in fp32 (deterministically), rounded once to
     `out_dtype` (None: left's dtype, float32; an adapter's dtype saves the caller a cast).
+
+    rounded_to: the dtype the caller rounds an fp32 result to in the end (after summing several, as
+    the gated MLP sums dA_down's chunks); None: out_dtype's. The dot's arithmetic follows the final
+    rounding, not the result's dtype (`dots.weight_grad_dot_mode`).
 
     left: [M, R] float32; x: [M, K], any float dtype and strides. Returns [R, K], contiguous, or with
     k_major its transpose contiguous (strides (1, R)): dB = result.T then is a dense [K, R] tensor that
     autograd takes over as lora_B's gradient instead of copying it. Zeros when M == 0.
     """
     if _WEIGHT_GRAD_PLANS.serve(x):  # see lora_terms' `_PLANS_SKIP_CHECKS`
-        plan = _WEIGHT_GRAD_PLANS.get(_weight_grad_plan_key(left, x, k_major, out_dtype or torch.float32))
+        key = _weight_grad_plan_key(left, x, k_major, out_dtype or torch.float32, rounded_to)
+        plan = _WEIGHT_GRAD_PLANS.get(key)
         if plan is not None:
             return _run_weight_grad_plan(plan, left, x, scale)
     _check_weight_grad(left, x)
     if runs_triton(x):
         out_dtype = out_dtype or torch.float32
-        return _lora_weight_grad_triton(left=left, x=x, scale=scale, k_major=k_major, out_dtype=out_dtype)
+        return _lora_weight_grad_triton(
+            left=left, x=x, scale=scale, k_major=k_major, out_dtype=out_dtype, rounded_to=rounded_to
+        )
     result = reference.lora_weight_grad(left, x, scale)
     result = result if out_dtype is None else result.to(out_dtype)
     return result.T.contiguous().T if k_major else result.contiguous()
@@ -338,6 +348,7 @@ def _(
     scale: float,
     k_major: bool = False,
     out_dtype: Optional[torch.dtype] = None,
+    rounded_to: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     _check_weight_grad(left, x)
     rank, features, dtype = left.shape[1], x.shape[1], out_dtype or left.dtype
