@@ -1,6 +1,6 @@
 """The test suite on the GPU machine, in parts that each fit one device call.
 
-python -m benchmarks.gpu_suite --part 1|2|3 [--list] [pytest arguments ...]
+python -m benchmarks.gpu_suite --part 1|2|3 [--list] [--jobs N [--log-dir DIR]] [pytest arguments ...]
 
 One device call runs for at most 10 minutes, and the whole suite takes longer there. Pytest's own
 times on the H200 in the thirty-sixth session: part 1 130 s, part 2 432 s, part 3 90 s (part 2's
@@ -13,6 +13,14 @@ forty-sixth session (535 s of the call's 600), so a test file more goes to part 
 compile checks (101 s of it) now skip where CUDA is (`conftest.compiles_for_sm90_on_cpu`; CI runs
 them on the CPU).
 
+`--jobs N` runs the part's files in N pytest processes at once, dealt out in turn (file i to
+process i mod N), each logging to `DIR/part{P}_{j}.log` (DIR: a temporary folder unless given); each
+log is printed when all have finished, and the exit status is the first failing process's. Most of a
+part's time is compiling Triton kernels on the host's cores, which one process leaves idle: fiftieth
+session, H200 machine (16 cores), part 3 in two processes 176 and 64 s beside part 1 in a third
+(162 s), where part 3 alone had been cut at 170-200 s after 80-85% of its tests; part 2 in two,
+281 and 175 s against 433 s one after the other (`docs/benchmarks/session50/`).
+
 Part 3 is every test file the first two do not name, except `CPU_ONLY`: a new test file lands in
 part 3 unless it is added to a part (`tests/test_benchmark_tools.py` checks that the parts cover
 every file once). `test_trainers.py` (part 3) needs the extra wheels of `docs/benchmarks.md`,
@@ -22,7 +30,9 @@ every file once). `test_trainers.py` (part 3) needs the extra wheels of `docs/be
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,20 +81,60 @@ def part_files(part: int) -> list[str]:
     raise ValueError(f"no part {part}: the parts are 1, 2 and 3")
 
 
+# Every part's pytest options (see the module docstring).
+PYTEST_OPTIONS = ["-q", "-rEf", "-p", "no:cacheprovider", "--durations=15"]
+# pytest's exit status when it selected no test (a -k filter can leave one process none).
+NO_TESTS_COLLECTED = 5
+
+
+def dealt_files(files: list[str], jobs: int) -> list[list[str]]:
+    """`files` dealt out in turn to at most `jobs` processes (none left empty), each keeping their order."""
+    return [group for group in (files[index::jobs] for index in range(jobs)) if group]
+
+
+def run_jobs(groups: list[list[str]], pytest_args: list[str], log_dir: Path, part: int) -> int:
+    """One pytest process per group of files, all at once; prints their logs when all have ended.
+    Returns 0 when every process passed (or selected nothing, as long as one ran tests), else the
+    first failing process's status."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    running = []
+    for index, group in enumerate(groups, start=1):
+        log_path = log_dir / f"part{part}_{index}.log"
+        paths = [str(REPO / name) for name in group]
+        command = [sys.executable, "-m", "pytest", *PYTEST_OPTIONS, *paths, *pytest_args]
+        with open(log_path, "w") as log:  # the child holds its own copy of the file
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        running.append((process, log_path))
+    statuses = []
+    for process, log_path in running:
+        statuses.append(process.wait())
+        print(f"===== {log_path} (exit status {statuses[-1]})")
+        print(log_path.read_text(), flush=True)
+    failed = [status for status in statuses if status not in (0, NO_TESTS_COLLECTED)]
+    if failed:
+        return failed[0]
+    return NO_TESTS_COLLECTED if all(status == NO_TESTS_COLLECTED for status in statuses) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--part", type=int, required=True, choices=(1, 2, 3))
     parser.add_argument("--list", action="store_true", help="print the part's files and exit")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest processes at once (default 1)")
+    parser.add_argument("--log-dir", type=Path, help="with --jobs: where each process logs")
     args, pytest_args = parser.parse_known_args(argv)
     files = part_files(args.part)
     if args.list:
         print("\n".join(files))
         return 0
+    if args.jobs > 1:
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="gpu_suite_"))
+        return run_jobs(dealt_files(files, args.jobs), pytest_args, log_dir, args.part)
     import pytest
 
     paths = [str(REPO / name) for name in files]
-    return pytest.main(["-q", "-rEf", "-p", "no:cacheprovider", "--durations=15", *paths, *pytest_args])
+    return pytest.main([*PYTEST_OPTIONS, *paths, *pytest_args])
 
 
 if __name__ == "__main__":

@@ -90,6 +90,26 @@ def test_gpu_suite_parts_cover_every_test_file_once(capsys):
     assert capsys.readouterr().out.split() == parts[0]
 
 
+def test_gpu_suite_jobs_deal_the_files_and_report_the_first_failure(tmp_path, capsys):
+    """`--jobs`: the files dealt out in turn, one pytest process each group, every log printed, the
+    status the first failing process's (a process that selected nothing does not fail the run)."""
+    from benchmarks import gpu_suite
+
+    names = [f"f{index}" for index in range(5)]
+    assert gpu_suite.dealt_files(names, 2) == [["f0", "f2", "f4"], ["f1", "f3"]]
+    assert gpu_suite.dealt_files(names[:1], 3) == [["f0"]]
+    passing, failing = tmp_path / "test_passing.py", tmp_path / "test_failing.py"
+    passing.write_text("def test_ok():\n    assert True\n")
+    failing.write_text("def test_bad():\n    assert False\n")
+    logs = tmp_path / "logs"
+    assert gpu_suite.run_jobs([[str(passing)], [str(failing)]], [], logs, 3) == 1
+    out = capsys.readouterr().out
+    assert "part3_1.log (exit status 0)" in out and "part3_2.log (exit status 1)" in out
+    assert "1 passed" in (logs / "part3_1.log").read_text() and "1 failed" in out
+    assert gpu_suite.run_jobs([[str(passing)], [str(failing)]], ["-k", "ok"], logs, 3) == 0
+    assert gpu_suite.run_jobs([[str(passing)]], ["-k", "nothing"], logs, 3) == gpu_suite.NO_TESTS_COLLECTED
+
+
 def test_wide_split_probe_is_as_exact_as_the_library_split_shrink():
     """The probe's one-dot split (benchmarks/wide_split_probe.py) under the interpreter, with and
     without K splits: its timings on a GPU mean something only if it computes the same shrink."""
