@@ -7,8 +7,8 @@ replaces it (`new`): a dtype delegated to PEFT, a scale dropped, a blocker remov
 derivative bent. For each, the file is rewritten, its tests (`tests`, else `default_tests`) run
 under the Triton interpreter with `-x`, and the file is put back as it was read, whatever happens.
 A mutation no test notices prints SURVIVED and the exit status is 1. On the CPU machine the first 37
-entries took 13 minutes, all 46 took 18 beside a CI run (most die within seconds; a survivor runs
-its whole test list).
+entries took 13 minutes, all 46 took 18 beside a CI run, all 49 about 16 (fiftieth session, also
+beside CI; most die within seconds, a survivor runs its whole test list).
 `tests/test_mutants_list.py` checks in CI that every entry still applies to the code.
 """
 
