@@ -253,10 +253,11 @@ def test_many_ranks_behind_the_augmented_dh(monkeypatch, mlp_calls, layout_id):
         assert_rel_close(grad, grad64, LAYOUTS[layout_id][-1], "a gradient")
 
 
-# What dA_down's dot multiplies, by layout: a bf16 h against the fp32 dY @ Bd takes the split dot,
-# its pair where the adapter is 16-bit (the chunks' fp32 sum is rounded once to it in the end); an
-# fp16 or fp32 h takes the fp32 dot either way.
+# What dA_down's dot multiplies, by layout (every layout of LAYOUTS): a bf16 h against the fp32
+# dY @ Bd takes the split dot, its pair where the adapter is 16-bit (the chunks' fp32 sum is rounded
+# once to it in the end); an fp16 or fp32 h takes the fp32 dot either way.
 DOWN_DOT_MODES = {
+    "fp32": FP32_DOT,
     "bf16": SPLIT_DOT_PAIR,
     "nf4-bf16adapters": SPLIT_DOT_PAIR,
     "bf16-fp32adapters": SPLIT_DOT,
@@ -268,7 +269,7 @@ DOWN_DOT_MODES = {
 
 @pytest.mark.skipif(not TRITON_INTERPRET, reason="the kernels' launches run under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("down_rank", [FUSED_WEIGHT_GRAD_MAX_RANK - 3, MANY_RANKS])
-@pytest.mark.parametrize("layout_id", list(DOWN_DOT_MODES))
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))  # a layout missing from DOWN_DOT_MODES fails
 def test_dA_down_dot_follows_the_adapter_dtype(monkeypatch, layout_id, down_rank):
     """Both backward paths (the fused kernel to 16 ranks, `lora_weight_grad` past them) multiply
     dA_down's operands as its final dtype needs (`dots.weight_grad_dot_mode`): each chunk's launch,

@@ -326,10 +326,10 @@ def _lora_weight_grads_triton(
             outs[i] = _lora_weight_grad_triton(
                 left=lefts[i], x=xs[i], scale=scales[i], k_major=k_major[i], out_dtype=out_dtype
             )
-            single_key = None
-            if plan_key:
+            single_plan = None
+            if plan_key:  # the single launch's own plan, made just now (no rounded_to: out_dtype's dot)
                 single_key = _weight_grad_plan_key(lefts[i], xs[i], k_major[i], out_dtype, None)
-            single_plan = _WEIGHT_GRAD_PLANS.get(single_key) if plan_key else None
+                single_plan = _WEIGHT_GRAD_PLANS.get(single_key)
             steps.append(None if single_plan is None else _SingleLaunch(i, single_plan))
             continue
         for i in members:
