@@ -15,11 +15,12 @@ them on the CPU).
 
 `--jobs N` runs the part's files in N pytest processes at once, dealt out in turn (file i to
 process i mod N), each logging to `DIR/part{P}_{j}.log` (DIR: a temporary folder unless given); each
-log is printed when all have finished, and the exit status is the first failing process's. Most of a
-part's time is compiling Triton kernels on the host's cores, which one process leaves idle: fiftieth
-session, H200 machine (16 cores), part 3 in two processes 176 and 64 s beside part 1 in a third
-(162 s), where part 3 alone had been cut at 170-200 s after 80-85% of its tests; part 2 in two,
-281 and 175 s against 433 s one after the other (`docs/benchmarks/session50/`).
+log is printed when all have finished, and the exit status is the first failing process's. The
+processes share the GPU and the host's cores (16 on the H200 machine). Fiftieth session: part 3 in
+three processes took 134 s beside part 1 (158 s), where part 3 in one process had been cut at
+170-200 s after about 85% of its tests; part 2 in two, 281 and 175 s at once against 433 s one after
+the other the session before (`docs/benchmarks/session50/`, `docs/gpu-results.md`). What a process
+spends its time on there (Triton's compiles, the tests' own work) was not measured.
 
 Part 3 is every test file the first two do not name, except `CPU_ONLY`: a new test file lands in
 part 3 unless it is added to a part (`tests/test_benchmark_tools.py` checks that the parts cover
