@@ -318,10 +318,15 @@ def test_dot_modes():
 
 def test_expand_add_uses_plain_tf32_only_into_bf16():
     # Plain tf32 rounds the fp32 bottleneck and the adapter to 11 bits: below a bf16 output's rounding,
-    # not below an fp16 or fp32 one's (the GPU tests check the accuracy it gives).
-    assert dots.expand_dot_precision(BF16) == "tf32"
-    for out_dtype in (FP16, FP32):
-        assert dots.expand_dot_precision(out_dtype) == "tf32x3", out_dtype
+    # not below an fp16 or fp32 one's (the GPU tests check the accuracy it gives). bf16 adapters into
+    # bf16 take one bf16 dot (the bottleneck rounded to bf16, as PEFT's bf16 path rounds xA); a group
+    # with one adapter of another dtype does not.
+    assert dots.expand_dot_precision(BF16, FP32) == "tf32"
+    assert dots.expand_dot_precision(BF16, BF16) == dots.TERM_IN_BF16 == "bf16"
+    assert dots.expand_dot_precision(BF16, BF16, FP32, BF16) == "tf32"
+    assert dots.expand_dot_precision(BF16, FP16) == "tf32"
+    for out_dtype, right_dtype in itertools.product((FP16, FP32), (BF16, FP16, FP32)):
+        assert dots.expand_dot_precision(out_dtype, right_dtype) == "tf32x3", out_dtype
 
 
 def test_lora_expand_add_rounds_once():
@@ -429,9 +434,12 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     assert seen["_lora_shrink_kernel"]["DOT_MODE"] == shrink_mode
     for kernel in ("_lora_weight_grad_kernel", "_gated_act_backward_weight_grad_kernel"):
         assert seen[kernel]["DOT_MODE"] == (dots.SPLIT_DOT if split else dots.FP32_DOT), kernel
-    expand_precision = "tf32" if x_dtype == BF16 else "tf32x3"  # fp32 adapters too, into bf16
-    for kernel in ("_lora_expand_add_kernel", "_gated_act_lora_forward_kernel"):
-        assert seen[kernel]["DOT_PRECISION"] == expand_precision, kernel
+    # Into bf16: one bf16 dot with bf16 adapters, plain tf32 with fp32 ones; into fp16 3xTF32. The
+    # gated forward keeps plain tf32 below GATED_FORWARD_STAGED_RANKS (5 here).
+    expand_precision = ("bf16" if w_dtype == BF16 else "tf32") if x_dtype == BF16 else "tf32x3"
+    assert seen["_lora_expand_add_kernel"]["DOT_PRECISION"] == expand_precision
+    gated_precision = "tf32" if expand_precision == "bf16" else expand_precision
+    assert seen["_gated_act_lora_forward_kernel"]["DOT_PRECISION"] == gated_precision
 
 
 @needs_triton
@@ -518,10 +526,13 @@ def test_split_launches_reuse_their_scratch():
 
 @pytest.mark.parametrize("k_major", [False, True], ids=["r-major", "k-major"])
 def test_lora_weight_grad_rounds_once_to_out_dtype(k_major):
-    # The adapters' dtype written by the op itself (no cast by the caller), from the fp32 sum.
+    # The adapters' dtype written by the op itself (no cast by the caller), from the fp32 sum. A bf16
+    # result multiplies the left rounded to bf16 (`dots.ROUNDED_DOT`; on the CPU, without Triton,
+    # the reference keeps it fp32): the fp32 sum to compare with is that left's.
     left = _make(37, 5, FP32, "contig")
     x = _make(37, 19, BF16, "contig")
-    want = lora_terms.lora_weight_grad(left, x, SCALE, k_major=k_major)
+    left_seen = left.to(BF16).float() if EXPECT_TRITON else left
+    want = lora_terms.lora_weight_grad(left_seen, x, SCALE, k_major=k_major)
     got = lora_terms.lora_weight_grad(left, x, SCALE, k_major=k_major, out_dtype=BF16)
     assert got.dtype == BF16 and got.stride() == want.stride(), (got.dtype, got.stride(), want.stride())
     # Within one bf16 step of the fp32 sum (GPUs round to nearest, the interpreter truncates).

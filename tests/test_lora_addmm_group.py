@@ -310,12 +310,15 @@ kernels = {
     "group": (lora_addmm_group._lora_addmm_group_tma_kernel.kernel, [BN, BK]),  # weights K-major
     "sum": (lora_addmm_sum._lora_addmm_sum_tma_kernel.kernel, [BK, BN]),  # weights row-major
 }
-# bf16 operands take a plain tf32 term, fp16 ones 3xTF32 (`dots.expand_dot_precision`): both layouts.
-layouts = (("bf16", "tf32"), ("fp16", "tf32x3"))
+# bf16 operands with fp32 adapters take a plain tf32 term, with bf16 adapters a bf16 one, fp16 ones
+# 3xTF32 (`dots.expand_dot_precision`): (name, operands' dtype, term precision, adapters' dtype).
+layouts = (
+    ("bf16", "bf16", "tf32", "fp32"), ("bf16a", "bf16", "bf16", "bf16"), ("fp16", "fp16", "tf32x3", "fp32")
+)
 # The term's tiling at rank 16 (one trip, plain loads) and at 192 ranks (a q/k/v sum at rank 64,
 # pipelined), as `term_tiling` hands them out.
 terms = {"few": lora_addmm.term_tiling(16), "many": lora_addmm.term_tiling(192)}
-for (name, (fn, b_block)), (dtype, precision), (ranks, (rank_tile, rank_stages)) in (
+for (name, (fn, b_block)), (layout, dtype, precision, right), (ranks, (rank_tile, rank_stages)) in (
     (k, l, t) for k in kernels.items() for l in layouts for t in terms.items()
 ):
     names = fn.arg_names
@@ -330,6 +333,8 @@ for (name, (fn, b_block)), (dtype, precision), (ranks, (rank_tile, rank_stages))
         if arg.endswith("_desc"):
             block = [BM, BK] if arg[0] == "a" else b_block if arg[0] == "b" else [BM, BN]
             return f"tensordesc<{dtype}[{block[0]},{block[1]}]>"
+        if arg.startswith("Right"):
+            return "*" + right
         return "*fp32" if arg.endswith("_ptr") else "fp32" if arg.startswith("scale") else "i32"
     signature = {arg: kind(arg) for arg in names}
     fixed = {(names.index(k),): v for k, v in constexprs.items()}
@@ -337,7 +342,7 @@ for (name, (fn, b_block)), (dtype, precision), (ranks, (rank_tile, rank_stages))
     options = dict(num_warps=WARPS, num_stages=STAGES)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     copies = kernel.asm["ttgir"].count("ttg.async_copy_global_to_local")
-    print(f"{name}-{dtype}-{ranks}", kernel.metadata.shared, copies)
+    print(f"{name}-{layout}-{ranks}", kernel.metadata.shared, copies)
 """
 H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KB)
 
@@ -359,7 +364,7 @@ def test_tma_kernels_fit_hopper_shared_memory_and_load_the_term_plainly():
     names = {
         f"{kernel}-{dtype}-{ranks}"
         for kernel in ("single", "group", "sum")
-        for dtype in ("bf16", "fp16")
+        for dtype in ("bf16", "bf16a", "fp16")
         for ranks in ("few", "many")
     }
     assert set(shared) == names, result.stdout

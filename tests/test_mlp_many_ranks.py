@@ -30,7 +30,7 @@ from fastlora_peft.functions.frozen_base import FrozenBase, LoraWeights, materia
 from fastlora_peft.functions.gated_mlp import GatedMlpSettings, fused_gated_mlp
 from fastlora_peft.kernels import _launch, gated_act_lora
 from fastlora_peft.kernels import lora_weight_grad as lora_weight_grad_module
-from fastlora_peft.kernels.dots import FP32_DOT, SPLIT_DOT, SPLIT_DOT_PAIR
+from fastlora_peft.kernels.dots import FP32_DOT, ROUNDED_DOT, SPLIT_DOT
 from fastlora_peft.kernels.gated_act_lora import FUSED_WEIGHT_GRAD_MAX_RANK
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -254,12 +254,12 @@ def test_many_ranks_behind_the_augmented_dh(monkeypatch, mlp_calls, layout_id):
 
 
 # What dA_down's dot multiplies, by layout (every layout of LAYOUTS): a bf16 h against the fp32
-# dY @ Bd takes the split dot, its pair where the adapter is 16-bit (the chunks' fp32 sum is rounded
-# once to it in the end); an fp16 or fp32 h takes the fp32 dot either way.
+# dY @ Bd takes the split dot, or dY @ Bd rounded to bf16 where the adapter is bf16 (the chunks' fp32
+# sum is rounded once to it in the end); an fp16 or fp32 h takes the fp32 dot either way.
 DOWN_DOT_MODES = {
     "fp32": FP32_DOT,
-    "bf16": SPLIT_DOT_PAIR,
-    "nf4-bf16adapters": SPLIT_DOT_PAIR,
+    "bf16": ROUNDED_DOT,
+    "nf4-bf16adapters": ROUNDED_DOT,
     "bf16-fp32adapters": SPLIT_DOT,
     "nf4-fp32adapters": SPLIT_DOT,
     "fp16": FP32_DOT,

@@ -217,8 +217,8 @@ def _down_backward_(
     grad_a = None
     tokens, intermediate = gate.shape
     # dA_down's chunk shares are summed in fp32 and rounded once to the adapter's dtype (backward's
-    # caller): where that is 16 bits, each share's dot keeps 16 significant bits of dY @ Bd (the pair
-    # of `dots.weight_grad_dot_mode`, 2.5e-6 relative error), two bf16 dots instead of three.
+    # caller): each share's dot is the one that rounding asks for (`dots.weight_grad_dot_mode`: for
+    # fp16 the pair, 16 significant bits of dY @ Bd; for bf16 dY @ Bd rounded to bf16, one dot).
     rounded_to = down_lora.lora_a.dtype
     # dh's LoRA term inside the GEMM's K dimension where that costs less (see augmented_k): a 4-bit
     # down weight is dequantized straight into the augmented weight, once for every chunk; the rule

@@ -356,8 +356,8 @@ def gated_act_backward_weight_grad_(
     ``scale * left.T @ h`` [R, I] (fp32) with ``h = act(gate) * up`` rounded to gate's dtype.
 
     rounded_to: the dtype the caller rounds the result to in the end (after summing the chunks'),
-    None for fp32. 16 bits let a bf16 h's dot keep 16 significant bits of left (`dots.SPLIT_DOT_PAIR`,
-    2.5e-6 relative error) instead of all 24: two dots instead of three.
+    None for fp32. A 16-bit one lets a bf16 h's dot keep fewer bits of left
+    (`dots.weight_grad_dot_mode`: fp16 the pair, 16 significant bits; bf16 left rounded to bf16).
 
     `fastlora::gated_act_backward_weight_grad_` (see the module docstring for shapes and dtypes).
     """

@@ -40,7 +40,7 @@ from . import gated_act_reference as _reference
 from ._backend import OP_NAMESPACE, runs_triton, skips_op_dispatch
 from ._launch import BoundLaunch, CachedKernel, LaunchPlans, cdiv, empty_2d
 from ._lora_common import _rank_block
-from .dots import expand_dot_precision
+from .dots import FP32_DOT_PRECISION, TERM_IN_BF16, expand_dot_precision
 from .gated_act import _activation_and_derivative, _check_inputs
 from .lora_expand_add import expand_term
 
@@ -144,8 +144,14 @@ def _gated_act_lora_forward_triton(
     copy_gate_right, copy_up_right = gate_right.stride(1) != 1, up_right.stride(1) != 1
     gate_right = gate_right.contiguous() if copy_gate_right else gate_right
     up_right = up_right.contiguous() if copy_up_right else up_right
-    precision = expand_dot_precision(gate.dtype)
     gate_rank, up_rank = gate_left.shape[1], up_left.shape[1]
+    many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
+    precision = expand_dot_precision(gate.dtype, gate_right.dtype, up_right.dtype)
+    # bf16 adapters' one bf16 dot pays here from 64 ranks on; below, plain tf32 stays. H200, one
+    # 2048-row chunk of I = 14336, plain tf32 against the bf16 dot, two rounds
+    # (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5 against 99.4 / 99.5 us,
+    # rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4 against 169.1 / 168.2.
+    precision = "tf32" if precision == TERM_IN_BF16 and not many_ranks else precision
     block_rg = block_r or _rank_block(gate_rank, cap=64)
     block_ru = block_r or _rank_block(up_rank, cap=64)
     # H200, one 2048-row chunk of I = 14336 from the halves of a bf16 [M, 2I], rank 16
@@ -158,8 +164,7 @@ def _gated_act_lora_forward_triton(
     # benchmarks.tune_lora_terms --gated-forward --rank=128 --rank=64`, forty-sixth session,
     # docs/benchmarks/session46/tune_gated_forward.log): rank 128 199.2 -> 162.2us, rank 64 141.8 ->
     # 125.1, the same tiles (no other of the 96 launches timed was faster).
-    many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
-    num_stages = num_stages or (1 if precision == "tf32" and not many_ranks else 2)
+    num_stages = num_stages or (1 if precision != FP32_DOT_PRECISION and not many_ranks else 2)
     grid = (cdiv(n_cols, block_i), cdiv(M, block_m))
     strides = (
         gate.stride(0), up.stride(0), h.stride(0),

@@ -368,7 +368,7 @@ def _lora_addmm_triton(
         right.stride(0), right.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_TILE,
         GROUP_M=8, EVEN_K=K % block_k == 0, LORA_AT=LORA_AT[lora_at],
-        DOT_PRECISION=expand_dot_precision(a.dtype), FP32_DOT=not a.is_cuda,
+        DOT_PRECISION=expand_dot_precision(a.dtype, right.dtype), FP32_DOT=not a.is_cuda,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -523,7 +523,7 @@ def _lora_addmm_tma_triton(
         TensorDescriptor.from_tensor(out, [block_m, block_n]), left, right,
         *sizes, float(scale), *strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_tile, GROUP_M=8,
-        B_K_MAJOR=b_k_major, PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype),
+        B_K_MAJOR=b_k_major, PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype, right.dtype),
         FP32_DOT=not a.is_cuda, RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:

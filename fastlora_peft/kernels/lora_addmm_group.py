@@ -237,7 +237,8 @@ def _lora_addmm_group_tma_triton(
         *(left[i] for i in slot), *(right[i] for i in slot),
         *sizes, *(float(scale[i]) for i in slot), *left[0].stride(), *right_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_tile, GROUP_M=8, MEMBERS=members,
-        PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype), FP32_DOT=not a.is_cuda,
+        PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a.dtype, *(r.dtype for r in right)),
+        FP32_DOT=not a.is_cuda,
         RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:

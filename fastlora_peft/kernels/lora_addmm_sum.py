@@ -208,7 +208,8 @@ def _lora_addmm_sum_tma_triton(
         *descriptors, TensorDescriptor.from_tensor(out, [block_m, block_n]), left, right,
         *sizes, float(scale), *strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_tile, GROUP_M=8, MEMBERS=members,
-        PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a[0].dtype), FP32_DOT=not a[0].is_cuda,
+        PROGRAMS=programs, DOT_PRECISION=expand_dot_precision(a[0].dtype, right.dtype),
+        FP32_DOT=not a[0].is_cuda,
         RANK_STAGES=rank_stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if plan_key is not None and bound is not None:

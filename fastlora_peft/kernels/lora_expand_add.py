@@ -25,7 +25,7 @@ from fastlora_peft.kernels._lora_common import (
     _check_fp32,
     _rank_block,
 )
-from fastlora_peft.kernels.dots import expand_dot_precision
+from fastlora_peft.kernels.dots import expand_dot_precision, term_dot
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels. Row offsets are widened to int64 before they meet a stride: M * stride passes 2**31 at,
@@ -49,9 +49,9 @@ def expand_term(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in tl.range(0, R, BLOCK_R, num_stages=RANK_STAGES):
         mask_r = offs_r + r0 < R
-        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
+        left = tl.load(left_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        right = tl.load(right_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc = term_dot(left, right, acc, DOT_PRECISION=DOT_PRECISION)
         left_ptrs += BLOCK_R * stride_lr
         right_ptrs += BLOCK_R * stride_rr
     return acc
@@ -130,7 +130,7 @@ def _lora_expand_add_triton(
     right_copied = right.stride(1) != 1
     right = right.contiguous() if right_copied else right
     block_r = block_r or _rank_block(R, cap=64)
-    precision = expand_dot_precision(out_dtype)
+    precision = expand_dot_precision(out_dtype, right.dtype)
     # H200, M=8192, in place (scratch sweep of 36 configs: 32/64/128 x 64/128/256 tiles, 4/8 warps,
     # 1/2 stages; `benchmarks.tune_lora_terms --expand-add` sweeps a superset), then the launcher's
     # defaults timed alone, against an in-place `mul_` (a pure read and write) at 36 and 114us:
