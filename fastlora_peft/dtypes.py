@@ -12,7 +12,9 @@ Contract (what PEFT returns for the same layout, made explicit):
   return the input's dtype, as bitsandbytes does.
 * dX has the input's dtype; adapter gradients have the adapters' dtype and are accumulated in fp32
   by the kernels (fp32 adapters never see 16-bit-rounded gradients). The LoRA terms read x in its
-  own dtype and convert in registers, so no fp32 copy of x is made.
+  own dtype and convert in registers, so no fp32 copy of x is made. How the kernels multiply (the
+  rank-r bottleneck kept fp32, or rounded to bf16 for bf16 adapters as PEFT's bf16 path rounds it)
+  is decided in `kernels/dots.py`.
 """
 
 from __future__ import annotations
