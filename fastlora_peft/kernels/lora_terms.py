@@ -175,6 +175,14 @@ _WIDE_NATIVE_LAUNCH = (64, 128, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 # 64 steps, 8 warps, two K splits read 29.2 and 30.7 (`python -m benchmarks.tune_lora_terms --high-rank`,
 # `docs/benchmarks/session45/c/s45_c.log`).
 _MANY_RANKS_NATIVE_LAUNCH = (64, 64, 4, 4)
+# `lora_shrink_group`'s members keep 32-row tiles with 16-bit weights up to this many ranks each (one
+# rank tile, where it was measured; see `_shrink_config`); past it they take the launch one such
+# shrink alone takes. H200, bf16, do_bench with L2 flushed, two rounds, 32-row tiles -> this: the
+# MLP's dgate B_gate + dup B_up at rank 128 312-315 -> 224-226 us at 8192 tokens, 89-102 -> 74-78 at
+# 2048; q/k/v's three dY_i B_i at rank 128 within that probe's spread (77-115 against 78); at rank
+# 64 (unchanged) the same launch read 59-98 us for q/k/v from round to round
+# (docs/benchmarks/session51/g/shrink_group_probe.log).
+_GROUPED_NARROW_MAX_RANKS = 64
 
 
 def shrink_splits(tiles: int, k_steps: int, fills_wave: bool, sms: int, per_sm: int) -> int:
@@ -286,7 +294,8 @@ def _shrink_config(
     over a wide rank tile: H200, q/k/v's three dY_i @ B_i with bf16 B at ranks 32 and 64, kernel time,
     us, 32-row tiles against `_WIDE_NATIVE_LAUNCH`: 13.7 / 15.2 and 18.3 / 22.7 at 2048 tokens, 36.0 /
     33.8 and 41.6 / 41.6 at 8192, 63.8 / 61.7 and 77.0 / 76.5 at 16384
-    (`docs/benchmarks/session31/native_wide_group_probe.log`)."""
+    (`docs/benchmarks/session31/native_wide_group_probe.log`); past `_GROUPED_NARROW_MAX_RANKS` ranks
+    a member (two or more rank tiles) takes the launch it would take alone."""
     mode = dot_mode(x, weight)
     copy_weight = mode == FP32_DOT and weight.dtype == torch.float32 and weight.stride(1) != 1
     ranks = ranks or weight.shape[0]
@@ -296,7 +305,8 @@ def _shrink_config(
     num_warps, num_stages = 8 if block_r > 64 else 4, 4
     if mode == SPLIT_DOT and 32 < block_r <= 64:  # measured there only (ranks 48 to 384)
         block_m, block_k, num_warps, num_stages = _WIDE_SPLIT_LAUNCH
-    if sixteen_bit and 32 <= block_r <= 64 and not grouped:  # measured there only (ranks 32 to 192)
+    narrow = grouped and ranks <= _GROUPED_NARROW_MAX_RANKS
+    if sixteen_bit and 32 <= block_r <= 64 and not narrow:  # measured there only (ranks 32 to 192)
         launch = _MANY_RANKS_NATIVE_LAUNCH if ranks > 64 else _WIDE_NATIVE_LAUNCH
         block_m, block_k, num_warps, num_stages = launch
         return _ShrinkConfig(mode, copy_weight, block_r, block_m, block_k, num_warps, num_stages, True, 1)
