@@ -75,6 +75,7 @@ CASES = [
 ]
 CASES += [
     Case(BF16, FP32, "silu", 70, 70, gate_up=True),  # rank over one 64-block: two rank steps
+    Case(BF16, BF16, "silu", 70, 66),  # bf16 adapters past 64 ranks: the bf16 term (dots.term_dot)
     Case(FP32, FP32, "gelu_tanh", 33, 9, block_r=16),  # three rank steps for gate, one for up
     Case(BF16, BF16, "silu", 16, 16, gate_up=True, block_m=None, block_i=None),  # the GPU tiles
     Case(FP32, FP32, "silu", 16, 16, block_m=None, block_i=None),
@@ -271,14 +272,16 @@ def test_opcheck(dtype):
 
 
 class _StagesSpy:
-    """Stands in for the kernel and records each launch's (num_stages, BLOCK_RG, BLOCK_RU)."""
+    """Stands in for the kernel and records each launch's (num_stages, BLOCK_RG, BLOCK_RU) and its
+    term's DOT_PRECISION."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+        self.kernel, self.launches, self.precisions = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
             self.launches.append((meta["num_stages"], meta["BLOCK_RG"], meta["BLOCK_RU"]))
+            self.precisions.append(meta["DOT_PRECISION"])
             return self.kernel[grid](*args, **meta)
 
         return launch
@@ -286,20 +289,27 @@ class _StagesSpy:
 
 @requires_interpreter
 @pytest.mark.parametrize(
-    "dtype, ranks, stages",
+    "dtype, right, ranks, stages, precision",
     [
-        (BF16, (16, 16), 1),  # plain tf32 at rank 16: one stage (the twentieth session's tuning)
-        (BF16, (63, 5), 1),
-        (BF16, (5, 64), 2),  # from 64 ranks of either term on: two (forty-sixth session)
-        (BF16, (70, 70), 2),
-        (FP16, (16, 16), 2),  # 3xTF32 into fp16: two at every rank
+        (BF16, FP32, (16, 16), 1, "tf32"),  # plain tf32 at rank 16: one stage (twentieth session)
+        (BF16, FP32, (63, 5), 1, "tf32"),
+        (BF16, FP32, (5, 64), 2, "tf32"),  # from 64 ranks of either term on: two (forty-sixth session)
+        (BF16, FP32, (70, 70), 2, "tf32"),
+        (FP16, FP32, (16, 16), 2, "tf32x3"),  # 3xTF32 into fp16: two at every rank
+        # bf16 adapters: plain tf32 below 64 ranks (the bf16 dot was slower there), the bf16 term from
+        # 64 ranks on (fifty-first session).
+        (BF16, BF16, (16, 16), 1, "tf32"),
+        (BF16, BF16, (63, 5), 1, "tf32"),
+        (BF16, BF16, (5, 64), 2, "bf16"),
+        (BF16, BF16, (70, 70), 2, "bf16"),
     ],
 )
-def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, ranks, stages):
+def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, right, ranks, stages, precision):
     spy = _StagesSpy(gated_act_lora_forward._gated_act_lora_forward_kernel)
     monkeypatch.setattr(gated_act_lora_forward, "_gated_act_lora_forward_kernel", spy)
-    gate_up, terms = make_inputs(Case(dtype, FP32, "silu", *ranks, block_m=None, block_i=None), "cpu")
+    gate_up, terms = make_inputs(Case(dtype, right, "silu", *ranks, block_m=None, block_i=None), "cpu")
     gate, up = halves(gate_up.clone())
     hidden = gated_act_lora_forward_(gate, up, "silu", *terms)
     assert spy.launches == [(stages, *(_rank_block(rank, cap=64) for rank in ranks))]
+    assert spy.precisions == [precision]
     assert_rel_close(hidden, float64_activation(gate, up, "silu"), TOLERANCE[dtype], "h vs float64")

@@ -262,40 +262,29 @@ def test_lora_shrink_16_bit_weight_over_a_wide_rank_tile(weight_dtype, rank, mon
             assert {name: meta[name] for name in expected} == expected, meta
 
 
-def test_stacked_shrink_of_16_bit_weights_keeps_32_row_tiles(monkeypatch):
+@pytest.mark.parametrize("rank", [32, 80])
+def test_stacked_shrink_of_16_bit_weights_keeps_32_row_tiles_to_64_ranks(rank, monkeypatch):
     # A group's dY_i @ B_i with bf16 B of rank 32 runs lora_shrink_group's kernel with 32 x 128 tiles
     # (measured faster than _WIDE_NATIVE_LAUNCH there at 2048 tokens), while one such shrink alone
-    # takes the wide launch.
+    # takes the wide launch. Past 64 ranks a member is two or more 64-wide rank tiles: there the group
+    # takes the launch one such shrink alone takes (H200, the MLP's dgate B_gate + dup B_up at rank
+    # 128, 8192 tokens: 312-315 -> 224-226 us; docs/benchmarks/session51/g/shrink_group_probe.log).
     launches = _recorded_launches(monkeypatch)
     xs = [_make(37, k, BF16, "contig") for k in (70, 19)]
-    weights = [_make(32, k, BF16, "transposed") for k in (70, 19)]
+    weights = [_make(rank, k, BF16, "transposed") for k in (70, 19)]
     got = lora_terms.lora_shrink_stacked(xs, weights, [0.5, 1.5])
-    for start, x, weight, scale in ((0, xs[0], weights[0], 0.5), (32, xs[1], weights[1], 1.5)):
+    for start, x, weight, scale in ((0, xs[0], weights[0], 0.5), (rank, xs[1], weights[1], 1.5)):
         truth = scale * (x.double() @ weight.double().T)
-        assert_rel_close(got[:, start : start + 32], truth, TOLERANCE[FP32])
+        assert_rel_close(got[:, start : start + rank], truth, TOLERANCE[FP32])
     if EXPECT_TRITON:
         assert [name for name, _, _ in launches] == ["_lora_shrink_group_kernel"]
         meta = launches[0][2]
-        assert (meta["BLOCK_M"], meta["BLOCK_K"], meta["BLOCK_R"]) == (32, 128, 32), meta
-
-
-def test_stacked_shrink_of_16_bit_weights_past_64_ranks_takes_the_wide_launch(monkeypatch):
-    # Past 64 ranks a member is two or more 64-wide rank tiles: there the group takes the launch one
-    # such shrink alone takes (H200, the MLP's dgate B_gate + dup B_up at rank 128, 8192 tokens:
-    # 312-315 -> 224-226 us; docs/benchmarks/session51/g/shrink_group_probe.log).
-    launches = _recorded_launches(monkeypatch)
-    xs = [_make(37, k, BF16, "contig") for k in (70, 19)]
-    weights = [_make(80, k, BF16, "transposed") for k in (70, 19)]
-    got = lora_terms.lora_shrink_stacked(xs, weights, [0.5, 1.5])
-    for start, x, weight, scale in ((0, xs[0], weights[0], 0.5), (80, xs[1], weights[1], 1.5)):
-        truth = scale * (x.double() @ weight.double().T)
-        assert_rel_close(got[:, start : start + 80], truth, TOLERANCE[FP32])
-    if EXPECT_TRITON:
-        assert [name for name, _, _ in launches] == ["_lora_shrink_group_kernel"]
-        meta = launches[0][2]
-        block_m, block_k, warps, stages = lora_terms._MANY_RANKS_NATIVE_LAUNCH
-        assert (meta["BLOCK_M"], meta["BLOCK_K"], meta["BLOCK_R"]) == (block_m, block_k, 64), meta
-        assert (meta["num_warps"], meta["num_stages"]) == (warps, stages), meta
+        tiles = (meta["BLOCK_M"], meta["BLOCK_K"], meta["BLOCK_R"], meta["num_warps"], meta["num_stages"])
+        if rank <= 64:
+            assert tiles[:3] == (32, 128, 32), meta
+        else:
+            block_m, block_k, warps, stages = lora_terms._MANY_RANKS_NATIVE_LAUNCH
+            assert tiles == (block_m, block_k, 64, warps, stages), meta
 
 
 @pytest.mark.parametrize("base_dtype, right_dtype, shape, layout", _case_params())

@@ -267,8 +267,8 @@ def _gated_act_backward_weight_grad_triton(
         grad_h, gate, up, left, out, partial, counters,
         M, n_cols, R, float(scale), rows_per_split, split, *strides,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_R=block_r,
-        # left is fp32: the split dot for a bf16 h (its two high parts where the caller rounds dA to
-        # 16 bits in the end), else 3xTF32 (see dots).
+        # left is fp32: for a bf16 h the split dot, or what the caller's final rounding of dA asks for
+        # (`dots.weight_grad_dot_mode`), else 3xTF32 (see dots).
         DOT_PRECISION=dot_precision(left.dtype),
         DOT_MODE=weight_grad_dot_mode(gate, left, rounded_to or torch.float32), SPLIT=split > 1,
         num_warps=num_warps, num_stages=num_stages,
