@@ -361,3 +361,40 @@ class LaunchSpy:
     def __getitem__(self, grid):
         self.grids.append(grid)
         return self.kernel[grid]
+
+
+@contextmanager
+def programs_in_shuffled_order(seed: int) -> Iterator[None]:
+    """Under TRITON_INTERPRET=1, every launch inside runs its programs in a seeded random order instead
+    of the interpreter's fixed one (the grid's first axis outermost, each program to its end before
+    the next starts). Kernels whose last program to count in sums the others' parts (`split_sum`,
+    `lora_grad_pass`) then meet other arrival orders: a sum keyed to a program's index rather than to
+    its arrival, or counters shared where they should not be, gives wrong sums. Programs still run one
+    at a time: races between them remain a GPU matter. The interpreter's loop tells its builder each
+    program's index (`set_grid_idx`); this maps the k-th call to the k-th index of a shuffled grid."""
+    import itertools
+    import random
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    set_grid_dim, set_grid_idx = builder.set_grid_dim, builder.set_grid_idx
+    rng = random.Random(seed)
+    state: dict = {}
+
+    def shuffled_dim(nx, ny, nz):
+        order = list(itertools.product(range(nx), range(ny), range(nz)))
+        rng.shuffle(order)
+        state["order"], state["next"] = order, 0
+        return set_grid_dim(nx, ny, nz)
+
+    def shuffled_idx(x, y, z):
+        index = state["next"]
+        state["next"] = index + 1
+        return set_grid_idx(*state["order"][index])
+
+    builder.set_grid_dim, builder.set_grid_idx = shuffled_dim, shuffled_idx
+    try:
+        yield
+    finally:
+        builder.set_grid_dim, builder.set_grid_idx = set_grid_dim, set_grid_idx
