@@ -254,7 +254,7 @@ def test_fake_matches_and_op_is_registered():
     [
         (lambda terms: (terms[0][:-1],) + terms[1:], "gate_left must be \\[M, R\\]"),
         (lambda terms: terms[:4] + (terms[4][:, :-1],) + terms[5:], "up_right must be \\[I, R\\]"),
-        (lambda terms: (terms[0].to(BF16),) + terms[1:], "gate_left must be torch.float32"),
+        (lambda terms: (terms[0].to(FP16),) + terms[1:], "gate_left must be torch.float32 or torch.bfloat16"),
     ],
     ids=["gate-left-rows", "up-right-rank", "left-dtype"],
 )
@@ -312,4 +312,34 @@ def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, right
     hidden = gated_act_lora_forward_(gate, up, "silu", *terms)
     assert spy.launches == [(stages, *(_rank_block(rank, cap=64) for rank in ranks))]
     assert spy.precisions == [precision]
+    # A caller may hand the left over in bf16 exactly where the term rounds it so (the gated MLP does).
+    assert gated_act_lora_forward.bf16_left_suffices(dtype, right, right, *ranks) == (precision == "bf16")
     assert_rel_close(hidden, float64_activation(gate, up, "silu"), TOLERANCE[dtype], "h vs float64")
+
+
+# Where the term rounds its left to bf16 (bf16 adapters from 64 ranks), a left handed over already
+# rounded to bf16 (half the bytes, as the gated MLP now hands it) gives the same numbers bit for bit.
+BF16_LEFT_CASES = [
+    Case(BF16, BF16, "silu", 70, 66),
+    Case(BF16, BF16, "gelu_tanh", 64, 5),
+    Case(BF16, BF16, "silu", 70, 70, gate_up=True),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BF16_LEFT_CASES, ids=lambda case: case.id)
+def test_a_bf16_left_gives_the_fp32_lefts_numbers_where_the_term_rounds_to_bf16(case: Case, device: str):
+    if device == "cpu" and not TRITON_INTERPRET:
+        pytest.skip("the reference keeps the fp32 left it is given; the kernel runs under TRITON_INTERPRET=1")
+    ranks = (case.gate_rank, case.up_rank)
+    assert gated_act_lora_forward.bf16_left_suffices(case.dtype, case.right_dtype, case.right_dtype, *ranks)
+    gate_up, terms = make_inputs(case, device)
+    rounded = (terms[0].to(BF16), *terms[1:3], terms[3].to(BF16), *terms[4:])
+    for name, fp32_left, bf16_left in zip(
+        ("gate", "up", "h"), run_fused(case, gate_up, terms), run_fused(case, gate_up, rounded)
+    ):
+        assert torch.equal(fp32_left, bf16_left), f"{name}: a bf16 left changed the numbers"
+    # And the op takes it (checks, dispatch): the launcher's default blocks.
+    op_outputs = run_fused(case, gate_up, rounded, launcher=False)
+    for name, actual, exact in zip(("gate", "up"), op_outputs[:2], float64_sums(gate_up, terms)):
+        assert_rel_close(actual, exact, TOLERANCE[case.dtype], f"{name} + its LoRA term vs float64")

@@ -38,9 +38,11 @@ def random_mlp(
     hidden: int = HIDDEN,
     intermediate: int = INTERMEDIATE,
     down_rank: int = 5,
+    gate_up_rank: int | None = None,
 ):
     """x `[tokens, HIDDEN]`, bases, loras of one gated MLP: unequal ranks and scales, trainable biases
-    on up (or gate_up) and down, lora_B random (a zero B would hide wrong dA)."""
+    on up (or gate_up) and down, lora_B random (a zero B would hide wrong dA). gate_up_rank: gate's
+    (gate_up's) rank, up's 3 fewer (default 3 and 2, gate_up 4)."""
     generator = torch.Generator().manual_seed(seed)
 
     def tensor(*shape, grad=True):
@@ -52,10 +54,13 @@ def random_mlp(
         base = FrozenBase(tensor(out_features, in_features, grad=False), bias_tensor, None)
         return base, LoraWeights(tensor(rank, in_features), tensor(out_features, rank), scale)
 
+    gate_rank, up_rank, gate_up_rank = (
+        (3, 2, 4) if gate_up_rank is None else (gate_up_rank, gate_up_rank - 3, gate_up_rank)
+    )
     if mlp_layout == "gate-up-down":
-        shapes = [(hidden, intermediate, 3, 0.5, False), (hidden, intermediate, 2, 1.5, True)]
+        shapes = [(hidden, intermediate, gate_rank, 0.5, False), (hidden, intermediate, up_rank, 1.5, True)]
     else:
-        shapes = [(hidden, 2 * intermediate, 4, 0.75, True)]
+        shapes = [(hidden, 2 * intermediate, gate_up_rank, 0.75, True)]
     shapes.append((intermediate, hidden, down_rank, 1.25, True))
     projections = [projection(*shape) for shape in shapes]
     bases, loras = [p[0] for p in projections], [p[1] for p in projections]

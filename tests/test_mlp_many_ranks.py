@@ -63,12 +63,15 @@ DEVICES = (
 )
 
 
-def mlp_in_layout(layout_id: str, mlp_layout: str, down_rank: int, device: str = "cpu"):
+def mlp_in_layout(
+    layout_id: str, mlp_layout: str, down_rank: int, device: str = "cpu", gate_up_rank: int | None = None
+):
     """(x, bases, loras, plan) on `device` (a 4-bit layout on the CPU only: bitsandbytes quantizes
-    there)."""
+    there); gate_up_rank: see `random_mlp`."""
     x_dtype, base_dtype, adapter_dtype, quantized, plan, _ = LAYOUTS[layout_id]
+    sizes = NF4_SIZES if quantized else SIZES
     x, bases, loras = random_mlp(
-        mlp_layout, F32, tokens=TOKENS, down_rank=down_rank, **(NF4_SIZES if quantized else SIZES)
+        mlp_layout, F32, tokens=TOKENS, down_rank=down_rank, gate_up_rank=gate_up_rank, **sizes
     )
 
     def leaf(tensor, dtype):
@@ -319,3 +322,58 @@ def test_many_ranks_keep_fp32_dA_down_to_fp32_accuracy(monkeypatch, layout_id):
     grad_a_down = grads[[id(t) for t in tensors].index(id(loras[-1].lora_a))]
     assert grad_a_down.dtype == F32
     assert_rel_close(grad_a_down, sum(shares), 1e-5, "dA_down")
+
+
+# The activation's forward reads gate's and up's xa as a bf16 copy where its term rounds xa to bf16
+# in registers anyway (bf16 adapters from 64 ranks, `bf16_left_suffices`), else as an fp32 copy.
+BF16_LEFT_CASES = [
+    ("bf16", "gate-up-down", 67, True),
+    ("bf16", "gate_up-down", 64, True),  # the first rank that takes the bf16 term
+    ("bf16", "gate-up-down", 63, False),  # plain tf32 below 64 ranks keeps 10 bits of fp32 xa
+    ("bf16-fp32adapters", "gate-up-down", 67, False),  # fp32 adapters' terms stay tf32
+    ("nf4-bf16adapters", "gate-up-down", 67, True),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "layout_id, mlp_layout, gate_up_rank, bf16_left", BF16_LEFT_CASES, ids=lambda v: str(v)
+)
+def test_activation_reads_xa_in_the_dtype_its_term_rounds_to(
+    monkeypatch, mlp_calls, layout_id, mlp_layout, gate_up_rank, bf16_left, device
+):
+    if device == "cuda" and LAYOUTS[layout_id][3]:
+        pytest.skip("a 4-bit base is quantized on the CPU here (test_gpu.py runs NF4 on CUDA)")
+    x, bases, loras, plan = mlp_in_layout(layout_id, mlp_layout, 5, device, gate_up_rank=gate_up_rank)
+    out, grads, grad_out, tensors = run(monkeypatch, x, bases, loras, plan, "silu", chunks=2)
+    # Only the kernel takes the copy rounded to bf16; the reference (plain CPU) reads the fp32 xa.
+    wanted = torch.bfloat16 if bf16_left and (TRITON_INTERPRET or device == "cuda") else F32
+    lefts = [(args[3], args[6]) for args in mlp_calls["gated_act_lora_forward_"]]
+    assert len(lefts) == 2 and {left.dtype for pair in lefts for left in pair} == {wanted}
+    assert all(left.stride(1) == 1 for pair in lefts for left in pair)  # row-major, as before
+
+    # The same numbers as the fp32 xa gives, bit for bit: the term rounded it to bf16 in registers.
+    monkeypatch.setattr(gated_mlp, "bf16_left_suffices", lambda *args: False)
+    x2 = x.detach().requires_grad_()
+    out_fp32_left, grads_fp32_left, _, _ = run(monkeypatch, x2, bases, loras, plan, "silu", chunks=2)
+    assert {args[3].dtype for args in mlp_calls["gated_act_lora_forward_"][2:]} == {F32}
+    assert torch.equal(out, out_fp32_left)
+    for grad, grad_fp32_left in zip(grads, grads_fp32_left, strict=True):
+        assert torch.equal(grad, grad_fp32_left)
+
+    # And against float64, gate's and up's LoRA terms past 64 ranks included.
+    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
+    swap = dict(zip(map(id, tensors), tensors64))
+
+    def in64(t):
+        return None if t is None else swap.get(id(t), t)
+
+    bases64 = [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases]
+    loras64 = [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras]
+    out64 = float64_mlp(in64(x), bases64, loras64, "silu", plan)
+    grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
+    tol = LAYOUTS[layout_id][-1]
+    assert_rel_close(out, out64, tol, "out")
+    for grad, grad64 in zip(grads, grads64, strict=True):
+        assert grad64.abs().max() > 0
+        assert_rel_close(grad, grad64, tol, "gradient")

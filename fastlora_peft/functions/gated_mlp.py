@@ -33,9 +33,10 @@ import torch
 
 from ..call_traces import VersionedSettings, call_traces
 from ..dtypes import DtypePlan, autocast_off
+from ..kernels._backend import runs_triton
 from ..kernels.gated_act import gated_act_backward_, gated_act_backward_keeping_hidden_
 from ..kernels.gated_act_lora import fuses_weight_grad, gated_act_backward_weight_grad_
-from ..kernels.gated_act_lora_forward import gated_act_lora_forward_
+from ..kernels.gated_act_lora_forward import bf16_left_suffices, gated_act_lora_forward_
 from ..kernels.lora_terms import lora_weight_grad
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import (
@@ -105,7 +106,7 @@ def _gate_and_up(pre_activations: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
 class GateUpLoraTerms(NamedTuple):
     """What `gated_act_lora_forward_` adds to gate and up: `scale * left @ right.T` for each."""
 
-    gate_left: torch.Tensor  # [tokens, r_gate] fp32: gate's columns of the forward's xa
+    gate_left: torch.Tensor  # [tokens, r_gate] fp32 (or bf16): gate's columns of the forward's xa
     gate_right: torch.Tensor  # [I, r_gate]: gate's lora_B, or the first half of gate_up's
     gate_scale: float
     up_left: torch.Tensor
@@ -116,20 +117,34 @@ class GateUpLoraTerms(NamedTuple):
         return self._replace(gate_left=self.gate_left[rows], up_left=self.up_left[rows])
 
 
-def _gate_up_lora_terms(xa: torch.Tensor, loras: Sequence[LoraWeights]) -> GateUpLoraTerms:
+def _gate_up_lora_terms(
+    xa: torch.Tensor, loras: Sequence[LoraWeights], gate: torch.Tensor
+) -> GateUpLoraTerms:
     """The terms of (gate, up) or of the two halves of one gate_up (whose xa columns they share), on
     a row-major copy of xa: the activation kernel's term wants its left operand's rank dim
     contiguous (tl.dot's first operand; see gated_act_lora_forward), and the shrink writes xa token-
-    major for dB's weight gradient, which the backward reads from the saved xa."""
-    xa = xa.contiguous()
+    major for dB's weight gradient, which the backward reads from the saved xa. The copy is bf16
+    where the kernel's term rounds xa to bf16 anyway (`bf16_left_suffices`: bf16 adapters from 64
+    ranks): the same numbers, from half the bytes that every column tile of a chunk re-reads."""
     if len(loras) == 2:
-        gate, up = loras
+        gate_lora, up_lora = loras
+        gate_right, up_right = gate_lora.lora_b, up_lora.lora_b
+        gate_scale, up_scale = gate_lora.scale, up_lora.scale
+        ranks = (gate_lora.lora_a.shape[0], up_lora.lora_a.shape[0])
+    else:
+        (gate_up,) = loras
+        half = gate_up.lora_b.shape[0] // 2
+        gate_right, up_right = gate_up.lora_b[:half], gate_up.lora_b[half:]
+        gate_scale = up_scale = gate_up.scale
+        ranks = (gate_up.lora_a.shape[0],) * 2
+    if runs_triton(gate) and bf16_left_suffices(gate.dtype, gate_right.dtype, up_right.dtype, *ranks):
+        xa = torch.empty(xa.shape, dtype=torch.bfloat16, device=xa.device).copy_(xa)  # one copy, rounded
+    else:
+        xa = xa.contiguous()
+    if len(loras) == 2:
         gate_left, up_left = rank_blocks(xa, loras, 1)
-        return GateUpLoraTerms(gate_left, gate.lora_b, gate.scale, up_left, up.lora_b, up.scale)
-    (gate_up,) = loras
-    half = gate_up.lora_b.shape[0] // 2
-    right = gate_up.lora_b
-    return GateUpLoraTerms(xa, right[:half], gate_up.scale, xa, right[half:], gate_up.scale)
+        return GateUpLoraTerms(gate_left, gate_right, gate_scale, up_left, up_right, up_scale)
+    return GateUpLoraTerms(xa, gate_right, gate_scale, xa, up_right, up_scale)
 
 
 def _dense_base(base: FrozenBase, plan: DtypePlan) -> FrozenBase:
@@ -318,7 +333,7 @@ class LoraGatedMlpFunction(torch.autograd.Function):
             pre_activations = base_outputs(x_2d, bases[:-1], plan)
             xa_in, lora_a_t = shrink_stacking_lora_a(x_2d, loras[:-1])
             gate, up = _gate_and_up(pre_activations)
-            gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1])
+            gate_up_terms = _gate_up_lora_terms(xa_in, loras[:-1], gate)
             chunks = token_chunks(*gate.shape, gate.element_size(), settings.chunk_bytes)
             down_base = _dense_base(bases[-1], plan)
             augmented_dh = backward_runs and _dh_takes_augmented_k(bases[-1], loras[-1], plan, gate)

@@ -11,7 +11,8 @@ traffic and two launches fewer per MLP forward.
 Shapes and dtypes: ``gate, up: [M, I]``, float32, bfloat16 or float16, the same; any row stride (the
 two halves of one ``[M, 2I]`` gate_up output are fine) and a unit column stride (they are written in
 place). ``gate_left: [M, Rg]`` and ``up_left: [M, Ru]`` float32 (the ``x @ A^T`` of
-``lora_shrink``; float64 beside a float64 gate), any strides, fastest with the rank dim contiguous:
+``lora_shrink``; float64 beside a float64 gate) or that rounded to bfloat16 (where the term rounds it
+so anyway: `bf16_left_suffices`), any strides, fastest with the rank dim contiguous:
 the term's dot takes left as its first operand, and a token-major left (the shrinks' own layout) took
 102.5 / 283 / 428 us against 94 / 125 / 163 row-major on an H200 (one 2048-row chunk of I = 14336,
 fp32 adapters, rank 16 / 64 / 128; `docs/benchmarks/session47/gated_fwd_layout_probe.log`), so the
@@ -108,6 +109,39 @@ def _gated_act_lora_forward_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
+def term_precision(
+    out_dtype: torch.dtype,
+    gate_right_dtype: torch.dtype,
+    up_right_dtype: torch.dtype,
+    gate_rank: int,
+    up_rank: int,
+) -> str:
+    """The default launch's DOT_PRECISION for the terms of gate and up (`expand_dot_precision`'s), the
+    one rule that both the launcher and `bf16_left_suffices` read.
+
+    bf16 adapters' one bf16 dot pays here from 64 ranks on; below, plain tf32 stays. H200, one
+    2048-row chunk of I = 14336, plain tf32 against the bf16 dot, two rounds
+    (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5 against 99.4 / 99.5 us,
+    rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4 against 169.1 / 168.2."""
+    precision = expand_dot_precision(out_dtype, gate_right_dtype, up_right_dtype)
+    many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
+    return "tf32" if precision == TERM_IN_BF16 and not many_ranks else precision
+
+
+def bf16_left_suffices(
+    out_dtype: torch.dtype,
+    gate_right_dtype: torch.dtype,
+    up_right_dtype: torch.dtype,
+    gate_rank: int,
+    up_rank: int,
+) -> bool:
+    """Whether the default launch's terms round their left (xa) to bf16 in registers (`TERM_IN_BF16`):
+    then a caller may hand it over as a bf16 copy, the same numbers from half the bytes (a chunk's
+    224 column tiles each re-read its 64-row tiles of the left from L2). Elsewhere the left stays
+    fp32: tf32 keeps 10 bits of it, not bf16's 7."""
+    return term_precision(out_dtype, gate_right_dtype, up_right_dtype, gate_rank, up_rank) == TERM_IN_BF16
+
+
 def _gated_act_lora_forward_triton(
     *,
     gate: torch.Tensor,
@@ -146,12 +180,7 @@ def _gated_act_lora_forward_triton(
     up_right = up_right.contiguous() if copy_up_right else up_right
     gate_rank, up_rank = gate_left.shape[1], up_left.shape[1]
     many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
-    precision = expand_dot_precision(gate.dtype, gate_right.dtype, up_right.dtype)
-    # bf16 adapters' one bf16 dot pays here from 64 ranks on; below, plain tf32 stays. H200, one
-    # 2048-row chunk of I = 14336, plain tf32 against the bf16 dot, two rounds
-    # (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5 against 99.4 / 99.5 us,
-    # rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4 against 169.1 / 168.2.
-    precision = "tf32" if precision == TERM_IN_BF16 and not many_ranks else precision
+    precision = term_precision(gate.dtype, gate_right.dtype, up_right.dtype, gate_rank, up_rank)
     block_rg = block_r or _rank_block(gate_rank, cap=64)
     block_ru = block_r or _rank_block(up_rank, cap=64)
     # H200, one 2048-row chunk of I = 14336 from the halves of a bf16 [M, 2I], rank 16
@@ -236,9 +265,11 @@ def _check_term(name: str, left: torch.Tensor, right: torch.Tensor, target: torc
             f"{_OP}: {name}_right must be [I, R] with I={cols}, R={left.shape[1]} ({name}_left's), "
             f"got shape {list(right.shape)}"
         )
-    expected = torch.float64 if target.dtype == torch.float64 else torch.float32
-    if left.dtype != expected:
-        raise ValueError(f"{_OP}: {name}_left must be {expected} (a lora_shrink output), got {left.dtype}")
+    # A lora_shrink output, or its copy rounded to bf16 (`bf16_left_suffices`).
+    expected = (torch.float64,) if target.dtype == torch.float64 else (torch.float32, torch.bfloat16)
+    if left.dtype not in expected:
+        wanted = " or ".join(map(str, expected))
+        raise ValueError(f"{_OP}: {name}_left must be {wanted} (a lora_shrink output), got {left.dtype}")
     if right.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"{_OP}: {name}_right must be float32, bfloat16 or float16, got {right.dtype}")
     for tensor in (left, right):
