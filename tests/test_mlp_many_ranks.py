@@ -112,6 +112,21 @@ def float64_mlp(x, bases, loras, activation: str, plan: DtypePlan) -> torch.Tens
     return linear(act * up, bases[-1], loras[-1])
 
 
+def float64_out_and_grads(x, bases, loras, tensors, grad_out, plan: DtypePlan):
+    """The float64 MLP's output and the gradients of `tensors` (the trainable ones `run` returned), on
+    the same values."""
+    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
+    swap = dict(zip(map(id, tensors), tensors64))
+
+    def in64(t):
+        return None if t is None else swap.get(id(t), t)
+
+    bases64 = [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases]
+    loras64 = [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras]
+    out64 = float64_mlp(in64(x), bases64, loras64, "silu", plan)
+    return out64, torch.autograd.grad(out64, tensors64, grad_out.double())
+
+
 @pytest.fixture
 def mlp_calls(monkeypatch) -> dict[str, list[tuple]]:
     """The arguments of every call the gated MLP makes to its activation ops, by name."""
@@ -165,16 +180,7 @@ def test_many_ranks_match_float64_through_the_two_launch_path(
     assert len(forward_lefts) == 3 and all(left.stride(1) == 1 for pair in forward_lefts for left in pair)
 
     # Against float64: the output and every gradient, dA_down (fed by h in dh's buffer) included.
-    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
-    swap = dict(zip(map(id, tensors), tensors64))
-
-    def in64(t):
-        return None if t is None else swap.get(id(t), t)
-
-    bases64 = [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases]
-    loras64 = [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras]
-    out64 = float64_mlp(in64(x), bases64, loras64, "silu", plan)
-    grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
+    out64, grads64 = float64_out_and_grads(x, bases, loras, tensors, grad_out, plan)
     tol = LAYOUTS[layout_id][-1]
     assert_rel_close(out, out64, tol, "out")
     names = ["x"] + [f"{p}.lora_{ab}" for p in range(len(loras)) for ab in "ab"] + ["biases"] * 2
@@ -238,20 +244,7 @@ def test_many_ranks_behind_the_augmented_dh(monkeypatch, mlp_calls, layout_id):
     assert all(h is dh for h, dh in zip(kept, augmented_dh))
     read = [args[1] for args in mlp_calls["lora_weight_grad"]]
     assert all(h is dh for h, dh in zip(read, augmented_dh, strict=True)), "dA_down reads dh's buffer"
-    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
-    swap = dict(zip(map(id, tensors), tensors64))
-
-    def in64(t):
-        return None if t is None else swap.get(id(t), t)
-
-    out64 = float64_mlp(
-        in64(x),
-        [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases],
-        [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras],
-        "silu",
-        plan,
-    )
-    grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
+    _, grads64 = float64_out_and_grads(x, bases, loras, tensors, grad_out, plan)
     for grad, grad64 in zip(grads, grads64, strict=True):
         assert_rel_close(grad, grad64, LAYOUTS[layout_id][-1], "a gradient")
 
@@ -362,16 +355,7 @@ def test_activation_reads_xa_in_the_dtype_its_term_rounds_to(
         assert torch.equal(grad, grad_fp32_left)
 
     # And against float64, gate's and up's LoRA terms past 64 ranks included.
-    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
-    swap = dict(zip(map(id, tensors), tensors64))
-
-    def in64(t):
-        return None if t is None else swap.get(id(t), t)
-
-    bases64 = [FrozenBase(b.weight, in64(b.bias), b.quant) for b in bases]
-    loras64 = [LoraWeights(in64(lora.lora_a), in64(lora.lora_b), lora.scale) for lora in loras]
-    out64 = float64_mlp(in64(x), bases64, loras64, "silu", plan)
-    grads64 = torch.autograd.grad(out64, tensors64, grad_out.double())
+    out64, grads64 = float64_out_and_grads(x, bases, loras, tensors, grad_out, plan)
     tol = LAYOUTS[layout_id][-1]
     assert_rel_close(out, out64, tol, "out")
     for grad, grad64 in zip(grads, grads64, strict=True):
