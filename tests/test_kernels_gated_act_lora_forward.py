@@ -343,3 +343,16 @@ def test_a_bf16_left_gives_the_fp32_lefts_numbers_where_the_term_rounds_to_bf16(
     op_outputs = run_fused(case, gate_up, rounded, launcher=False)
     for name, actual, exact in zip(("gate", "up"), op_outputs[:2], float64_sums(gate_up, terms)):
         assert_rel_close(actual, exact, TOLERANCE[case.dtype], f"{name} + its LoRA term vs float64")
+
+
+@pytest.mark.parametrize("case", BF16_LEFT_CASES, ids=lambda case: case.id)
+def test_the_reference_takes_a_bf16_left_as_its_values(case: Case):
+    """The op's check lets a bf16 left through to the pure-torch reference too (a plain CPU): it must
+    give what the fp32 left of the same (bf16-exact) values gives."""
+    gate_up, terms = make_inputs(case, "cpu")
+    exact_in_bf16 = (terms[0].to(BF16).float(), *terms[1:3], terms[3].to(BF16).float(), *terms[4:])
+    rounded = (terms[0].to(BF16), *terms[1:3], terms[3].to(BF16), *terms[4:])
+    from_fp32 = gated_act_reference.gated_act_lora_forward(*halves(gate_up.clone()), "silu", *exact_in_bf16)
+    from_bf16 = gated_act_reference.gated_act_lora_forward(*halves(gate_up.clone()), "silu", *rounded)
+    for name, expected, actual in zip(("gate", "up", "h"), from_fp32, from_bf16, strict=True):
+        assert torch.equal(expected, actual), f"{name}: the reference read a bf16 left otherwise"
