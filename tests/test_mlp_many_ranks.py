@@ -325,6 +325,11 @@ BF16_LEFT_CASES = [
     ("bf16", "gate-up-down", 63, False),  # plain tf32 below 64 ranks keeps 10 bits of fp32 xa
     ("bf16-fp32adapters", "gate-up-down", 67, False),  # fp32 adapters' terms stay tf32
     ("nf4-bf16adapters", "gate-up-down", 67, True),
+    # Every other layout keeps the fp32 xa past 64 ranks too: its term is not the bf16 dot.
+    ("fp32", "gate-up-down", 67, False),
+    ("fp16", "gate_up-down", 67, False),
+    ("fp16-fp32adapters", "gate-up-down", 67, False),
+    ("nf4-fp32adapters", "gate-up-down", 67, False),
 ]
 
 
