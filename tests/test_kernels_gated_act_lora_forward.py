@@ -301,7 +301,9 @@ class _StagesSpy:
         (BF16, BF16, (16, 16), 1, "tf32"),
         (BF16, BF16, (63, 5), 1, "tf32"),
         (BF16, BF16, (5, 64), 2, "bf16"),
-        (BF16, BF16, (70, 70), 2, "bf16"),
+        # Past 64 ranks (two rank blocks) the bf16 term takes three (fifty-fourth session).
+        (BF16, BF16, (70, 70), 3, "bf16"),
+        (BF16, BF16, (65, 5), 3, "bf16"),
     ],
 )
 def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, right, ranks, stages, precision):

@@ -193,7 +193,13 @@ def _gated_act_lora_forward_triton(
     # benchmarks.tune_lora_terms --gated-forward --rank=128 --rank=64`, forty-sixth session,
     # docs/benchmarks/session46/tune_gated_forward.log): rank 128 199.2 -> 162.2us, rank 64 141.8 ->
     # 125.1, the same tiles (no other of the 96 launches timed was faster).
-    num_stages = num_stages or (1 if precision != FP32_DOT_PRECISION and not many_ranks else 2)
+    # Past 64 ranks with the bf16 term, 3 stages: the rank loop then runs two 64-rank blocks and the
+    # third stage keeps their copies ahead. H200, bf16 adapters, bf16 left, the same chunk
+    # (`session54/b/gated_fwd_bf16_left_probe.log`, one sweep): rank 128 141.4 -> 123.6 us; at rank 64
+    # (one block) 109.2 and 110.9, no gain. Not yet measured in a step (branch gated-fwd-stages).
+    staged_ranks = max(gate_rank, up_rank) > GATED_FORWARD_STAGED_RANKS
+    default_stages = 3 if precision == TERM_IN_BF16 and staged_ranks else 2
+    num_stages = num_stages or (1 if precision != FP32_DOT_PRECISION and not many_ranks else default_stages)
     grid = (cdiv(n_cols, block_i), cdiv(M, block_m))
     strides = (
         gate.stride(0), up.stride(0), h.stride(0),
