@@ -123,9 +123,7 @@ def term_precision(
     2048-row chunk of I = 14336, plain tf32 against the bf16 dot, two rounds
     (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5 against 99.4 / 99.5 us,
     rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4 against 169.1 / 168.2."""
-    precision = expand_dot_precision(out_dtype, gate_right_dtype, up_right_dtype)
-    many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
-    return "tf32" if precision == TERM_IN_BF16 and not many_ranks else precision
+    return expand_dot_precision(out_dtype, gate_right_dtype, up_right_dtype)
 
 
 def bf16_left_suffices(
