@@ -296,10 +296,10 @@ class _StagesSpy:
         (BF16, FP32, (5, 64), 2, "tf32"),  # from 64 ranks of either term on: two (forty-sixth session)
         (BF16, FP32, (70, 70), 2, "tf32"),
         (FP16, FP32, (16, 16), 2, "tf32x3"),  # 3xTF32 into fp16: two at every rank
-        # bf16 adapters: plain tf32 below 64 ranks (the bf16 dot was slower there), the bf16 term from
-        # 64 ranks on (fifty-first session).
-        (BF16, BF16, (16, 16), 1, "tf32"),
-        (BF16, BF16, (63, 5), 1, "tf32"),
+        # bf16 adapters: the bf16 term at every rank (from 64 ranks on since the fifty-first session,
+        # below since the fifty-fifth, with the bf16 left the gated MLP hands it there too).
+        (BF16, BF16, (16, 16), 1, "bf16"),
+        (BF16, BF16, (63, 5), 1, "bf16"),
         (BF16, BF16, (5, 64), 2, "bf16"),
         # Past 64 ranks (two rank blocks) the bf16 term takes three (fifty-fourth session).
         (BF16, BF16, (70, 70), 3, "bf16"),
@@ -319,7 +319,7 @@ def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, right
     assert_rel_close(hidden, float64_activation(gate, up, "silu"), TOLERANCE[dtype], "h vs float64")
 
 
-# Where the term rounds its left to bf16 (bf16 adapters from 64 ranks), a left handed over already
+# Where the term rounds its left to bf16 (bf16 adapters), a left handed over already
 # rounded to bf16 (half the bytes, as the gated MLP now hands it) gives the same numbers bit for bit.
 BF16_LEFT_CASES = [
     Case(BF16, BF16, "silu", 70, 66),

@@ -443,11 +443,10 @@ def test_launchers_feed_the_dots_as_dot_mode_says(x_dtype, w_dtype, monkeypatch)
     for kernel in ("_lora_weight_grad_kernel", "_gated_act_backward_weight_grad_kernel"):
         assert seen[kernel]["DOT_MODE"] == (dots.SPLIT_DOT if split else dots.FP32_DOT), kernel
     # Into bf16: one bf16 dot with bf16 adapters, plain tf32 with fp32 ones; into fp16 3xTF32. The
-    # gated forward keeps plain tf32 below GATED_FORWARD_STAGED_RANKS (5 here).
+    # gated forward follows the same rule at every rank (5 here).
     expand_precision = ("bf16" if w_dtype == BF16 else "tf32") if x_dtype == BF16 else "tf32x3"
     assert seen["_lora_expand_add_kernel"]["DOT_PRECISION"] == expand_precision
-    gated_precision = "tf32" if expand_precision == "bf16" else expand_precision
-    assert seen["_gated_act_lora_forward_kernel"]["DOT_PRECISION"] == gated_precision
+    assert seen["_gated_act_lora_forward_kernel"]["DOT_PRECISION"] == expand_precision
 
 
 @needs_triton

@@ -318,11 +318,12 @@ def test_many_ranks_keep_fp32_dA_down_to_fp32_accuracy(monkeypatch, layout_id):
 
 
 # The activation's forward reads gate's and up's xa as a bf16 copy where its term rounds xa to bf16
-# in registers anyway (bf16 adapters from 64 ranks, `bf16_left_suffices`), else as an fp32 copy.
+# in registers anyway (bf16 adapters at every rank, `bf16_left_suffices`), else as an fp32 copy.
 BF16_LEFT_CASES = [
     ("bf16", "gate-up-down", 67, True),
     ("bf16", "gate_up-down", 64, True),  # the first rank that takes the bf16 term
-    ("bf16", "gate-up-down", 63, False),  # plain tf32 below 64 ranks keeps 10 bits of fp32 xa
+    ("bf16", "gate-up-down", 63, True),  # below 64 ranks too (fifty-fifth session)
+    ("bf16", "gate_up-down", 16, True),
     ("bf16-fp32adapters", "gate-up-down", 67, False),  # fp32 adapters' terms stay tf32
     ("nf4-bf16adapters", "gate-up-down", 67, True),
     # Every other layout keeps the fp32 xa past 64 ranks too: its term is not the bf16 dot.
