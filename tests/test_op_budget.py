@@ -166,6 +166,9 @@ def test_fused_step_dispatches_its_budget(case, layout_id):
     if layout[2]:
         forward_budget = {**forward_budget, **PER_MEMBER_DEQUANTIZE_BUDGET[case][0]}
         backward_budget = {**backward_budget, **PER_MEMBER_DEQUANTIZE_BUDGET[case][1]}
+    if case == "mlp" and layout[1] == BF16:
+        # bf16 adapters: gate's and up's xa copied rounded to bf16 (`bf16_left_suffices`), one op too.
+        forward_budget = {**{k: v for k, v in forward_budget.items() if k != "clone"}, "_to_copy": 1}
     forward_ops, backward_ops = _counted_step(run, layout, shapes)
     assert forward_ops == forward_budget
     assert backward_ops == _with_casts(backward_budget, casts if layout[1] == BF16 else 0)

@@ -138,7 +138,8 @@ def _gate_up_lora_terms(
         gate_scale = up_scale = gate_up.scale
         ranks = (gate_up.lora_a.shape[0],) * 2
     if runs_triton(gate) and bf16_left_suffices(gate.dtype, gate_right.dtype, up_right.dtype, *ranks):
-        xa = torch.empty(xa.shape, dtype=torch.bfloat16, device=xa.device).copy_(xa)  # one copy, rounded
+        # One op (`_to_copy`), rounded and row-major, as the fp32 path's one `clone`.
+        xa = xa.to(torch.bfloat16, memory_format=torch.contiguous_format)
     else:
         xa = xa.contiguous()
     if len(loras) == 2:
