@@ -124,8 +124,9 @@ def _gate_up_lora_terms(
     a row-major copy of xa: the activation kernel's term wants its left operand's rank dim
     contiguous (tl.dot's first operand; see gated_act_lora_forward), and the shrink writes xa token-
     major for dB's weight gradient, which the backward reads from the saved xa. The copy is bf16
-    where the kernel's term rounds xa to bf16 anyway (`bf16_left_suffices`: bf16 adapters from 64
-    ranks): the same numbers, from half the bytes that every column tile of a chunk re-reads."""
+    where the kernel's term rounds xa to bf16 anyway (`bf16_left_suffices`: bf16 adapters into a
+    bf16 output, at every rank): the same numbers, from half the bytes that every column tile of a
+    chunk re-reads."""
     if len(loras) == 2:
         gate_lora, up_lora = loras
         gate_right, up_right = gate_lora.lora_b, up_lora.lora_b

@@ -119,10 +119,18 @@ def term_precision(
     """The default launch's DOT_PRECISION for the terms of gate and up (`expand_dot_precision`'s), the
     one rule that both the launcher and `bf16_left_suffices` read.
 
-    bf16 adapters' one bf16 dot pays here from 64 ranks on; below, plain tf32 stays. H200, one
-    2048-row chunk of I = 14336, plain tf32 against the bf16 dot, two rounds
-    (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5 against 99.4 / 99.5 us,
-    rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4 against 169.1 / 168.2."""
+    bf16 adapters take the one bf16 dot at every rank, on the bf16 left the gated MLP then hands over
+    (`bf16_left_suffices`). H200, one 2048-row chunk of I = 14336, plain tf32 against the bf16 dot on
+    an fp32 left, two rounds (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5
+    against 99.4 / 99.5 us, rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4
+    against 169.1 / 168.2; so from the fifty-first session only 64+ ranks took it. With a bf16 left
+    the bf16 dot wins at rank 16 too: 93.5 (plain tf32, fp32 left) against 84.1 us
+    (session54/b/gated_fwd_bf16_left_probe.log), and in the MLP step's profile (8192 tokens, bf16
+    adapters, `python3 -m benchmarks.profile_block --block mlp --provider fastlora --adapters bf16
+    --rank 16`, two rounds against the tree before, fifty-fifth session,
+    docs/benchmarks/session55/a/) 91.5 / 93.5 -> 84.5 / 86.8 us a chunk. It also rounds xa as PEFT's
+    bf16-adapter path does (lora_A's bf16 output is lora_B's input). The ranks no longer change the
+    rule; they stay in the signature for the launcher's and the tests' calls, which pass them."""
     return expand_dot_precision(out_dtype, gate_right_dtype, up_right_dtype)
 
 
@@ -194,7 +202,9 @@ def _gated_act_lora_forward_triton(
     # Past 64 ranks with the bf16 term, 3 stages: the rank loop then runs two 64-rank blocks and the
     # third stage keeps their copies ahead. H200, bf16 adapters, bf16 left, the same chunk
     # (`session54/b/gated_fwd_bf16_left_probe.log`, one sweep): rank 128 141.4 -> 123.6 us; at rank 64
-    # (one block) 109.2 and 110.9, no gain. Not yet measured in a step (branch gated-fwd-stages).
+    # (one block) 109.2 and 110.9, no gain. In the MLP step's profile (8192 tokens, bf16 adapters,
+    # fifty-fifth session, docs/benchmarks/session55/a/): rank 128 148.2 -> 124.4 us a chunk, rank 96
+    # 142.7 -> 135.6.
     staged_ranks = max(gate_rank, up_rank) > GATED_FORWARD_STAGED_RANKS
     default_stages = 3 if precision == TERM_IN_BF16 and staged_ranks else 2
     num_stages = num_stages or (1 if precision != FP32_DOT_PRECISION and not many_ranks else default_stages)
