@@ -296,6 +296,7 @@ class _StagesSpy:
         (BF16, FP32, (5, 64), 2, "tf32"),  # from 64 ranks of either term on: two (forty-sixth session)
         (BF16, FP32, (70, 70), 2, "tf32"),
         (FP16, FP32, (16, 16), 2, "tf32x3"),  # 3xTF32 into fp16: two at every rank
+        (FP16, BF16, (16, 16), 2, "tf32x3"),  # bf16 adapters into fp16 too: no bf16 term, fp32 left
         # bf16 adapters: the bf16 term at every rank (from 64 ranks on since the fifty-first session,
         # below since the fifty-fifth, with the bf16 left the gated MLP hands it there too).
         (BF16, BF16, (16, 16), 1, "bf16"),
@@ -315,7 +316,7 @@ def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, right
     assert spy.launches == [(stages, *(_rank_block(rank, cap=64) for rank in ranks))]
     assert spy.precisions == [precision]
     # A caller may hand the left over in bf16 exactly where the term rounds it so (the gated MLP does).
-    assert gated_act_lora_forward.bf16_left_suffices(dtype, right, right, *ranks) == (precision == "bf16")
+    assert gated_act_lora_forward.bf16_left_suffices(dtype, right, right) == (precision == "bf16")
     assert_rel_close(hidden, float64_activation(gate, up, "silu"), TOLERANCE[dtype], "h vs float64")
 
 
@@ -323,6 +324,7 @@ def test_default_launch_takes_two_stages_from_64_ranks(monkeypatch, dtype, right
 # rounded to bf16 (half the bytes, as the gated MLP now hands it) gives the same numbers bit for bit.
 BF16_LEFT_CASES = [
     Case(BF16, BF16, "silu", 70, 66),
+    Case(BF16, BF16, "silu", 16, 5),  # below 64 ranks too (fifty-fifth session)
     Case(BF16, BF16, "gelu_tanh", 64, 5),
     Case(BF16, BF16, "silu", 70, 70, gate_up=True),
 ]
@@ -333,8 +335,7 @@ BF16_LEFT_CASES = [
 def test_a_bf16_left_gives_the_fp32_lefts_numbers_where_the_term_rounds_to_bf16(case: Case, device: str):
     if device == "cpu" and not TRITON_INTERPRET:
         pytest.skip("the reference keeps the fp32 left it is given; the kernel runs under TRITON_INTERPRET=1")
-    ranks = (case.gate_rank, case.up_rank)
-    assert gated_act_lora_forward.bf16_left_suffices(case.dtype, case.right_dtype, case.right_dtype, *ranks)
+    assert gated_act_lora_forward.bf16_left_suffices(case.dtype, case.right_dtype, case.right_dtype)
     gate_up, terms = make_inputs(case, device)
     rounded = (terms[0].to(BF16), *terms[1:3], terms[3].to(BF16), *terms[4:])
     for name, fp32_left, bf16_left in zip(

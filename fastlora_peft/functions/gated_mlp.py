@@ -131,14 +131,12 @@ def _gate_up_lora_terms(
         gate_lora, up_lora = loras
         gate_right, up_right = gate_lora.lora_b, up_lora.lora_b
         gate_scale, up_scale = gate_lora.scale, up_lora.scale
-        ranks = (gate_lora.lora_a.shape[0], up_lora.lora_a.shape[0])
     else:
         (gate_up,) = loras
         half = gate_up.lora_b.shape[0] // 2
         gate_right, up_right = gate_up.lora_b[:half], gate_up.lora_b[half:]
         gate_scale = up_scale = gate_up.scale
-        ranks = (gate_up.lora_a.shape[0],) * 2
-    if runs_triton(gate) and bf16_left_suffices(gate.dtype, gate_right.dtype, up_right.dtype, *ranks):
+    if runs_triton(gate) and bf16_left_suffices(gate.dtype, gate_right.dtype, up_right.dtype):
         # One op (`_to_copy`), rounded and row-major, as the fp32 path's one `clone`.
         xa = xa.to(torch.bfloat16, memory_format=torch.contiguous_format)
     else:

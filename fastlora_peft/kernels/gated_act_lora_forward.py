@@ -109,43 +109,26 @@ def _gated_act_lora_forward_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
-def term_precision(
-    out_dtype: torch.dtype,
-    gate_right_dtype: torch.dtype,
-    up_right_dtype: torch.dtype,
-    gate_rank: int,
-    up_rank: int,
-) -> str:
-    """The default launch's DOT_PRECISION for the terms of gate and up (`expand_dot_precision`'s), the
-    one rule that both the launcher and `bf16_left_suffices` read.
+def bf16_left_suffices(
+    out_dtype: torch.dtype, gate_right_dtype: torch.dtype, up_right_dtype: torch.dtype
+) -> bool:
+    """Whether the default launch's terms round their left (xa) to bf16 in registers (`TERM_IN_BF16`,
+    the launcher's `expand_dot_precision`): then a caller may hand it over as a bf16 copy, the same
+    numbers from half the bytes (a chunk's 224 column tiles each re-read its 64-row tiles of the left
+    from L2). Elsewhere the left stays fp32: tf32 keeps 10 bits of it, not bf16's 7.
 
-    bf16 adapters take the one bf16 dot at every rank, on the bf16 left the gated MLP then hands over
-    (`bf16_left_suffices`). H200, one 2048-row chunk of I = 14336, plain tf32 against the bf16 dot on
-    an fp32 left, two rounds (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5
+    bf16 adapters into a bf16 output take the one bf16 dot at every rank, on the bf16 left the gated
+    MLP then hands over. H200, one 2048-row chunk of I = 14336, plain tf32 against the bf16 dot on an
+    fp32 left, two rounds (docs/benchmarks/session51/a/bf16_term_probe.log): rank 16 92.4 / 92.5
     against 99.4 / 99.5 us, rank 64 152.6 / 152.1 against 132.2 / 132.2, rank 128 219.1 / 211.4
     against 169.1 / 168.2; so from the fifty-first session only 64+ ranks took it. With a bf16 left
-    the bf16 dot wins at rank 16 too: 93.5 (plain tf32, fp32 left) against 84.1 us
+    the bf16 dot wins at rank 16 too: 93.5 (plain tf32, fp32 left) against 84.2 us
     (session54/b/gated_fwd_bf16_left_probe.log), and in the MLP step's profile (8192 tokens, bf16
     adapters, `python3 -m benchmarks.profile_block --block mlp --provider fastlora --adapters bf16
-    --rank 16`, two rounds against the tree before, fifty-fifth session,
-    docs/benchmarks/session55/a/) 91.5 / 93.5 -> 84.5 / 86.8 us a chunk. It also rounds xa as PEFT's
-    bf16-adapter path does (lora_A's bf16 output is lora_B's input). The ranks no longer change the
-    rule; they stay in the signature for the launcher's and the tests' calls, which pass them."""
-    return expand_dot_precision(out_dtype, gate_right_dtype, up_right_dtype)
-
-
-def bf16_left_suffices(
-    out_dtype: torch.dtype,
-    gate_right_dtype: torch.dtype,
-    up_right_dtype: torch.dtype,
-    gate_rank: int,
-    up_rank: int,
-) -> bool:
-    """Whether the default launch's terms round their left (xa) to bf16 in registers (`TERM_IN_BF16`):
-    then a caller may hand it over as a bf16 copy, the same numbers from half the bytes (a chunk's
-    224 column tiles each re-read its 64-row tiles of the left from L2). Elsewhere the left stays
-    fp32: tf32 keeps 10 bits of it, not bf16's 7."""
-    return term_precision(out_dtype, gate_right_dtype, up_right_dtype, gate_rank, up_rank) == TERM_IN_BF16
+    --rank 16`, two rounds against the tree before, fifty-fifth session, docs/benchmarks/session55/a/)
+    91.5 / 93.5 -> 84.5 / 86.8 us a chunk; since then no rank keeps plain tf32 for bf16 adapters. It
+    also rounds xa as PEFT's bf16-adapter path does (lora_A's bf16 output is lora_B's input)."""
+    return expand_dot_precision(out_dtype, gate_right_dtype, up_right_dtype) == TERM_IN_BF16
 
 
 def _gated_act_lora_forward_triton(
@@ -186,7 +169,7 @@ def _gated_act_lora_forward_triton(
     up_right = up_right.contiguous() if copy_up_right else up_right
     gate_rank, up_rank = gate_left.shape[1], up_left.shape[1]
     many_ranks = max(gate_rank, up_rank) >= GATED_FORWARD_STAGED_RANKS
-    precision = term_precision(gate.dtype, gate_right.dtype, up_right.dtype, gate_rank, up_rank)
+    precision = expand_dot_precision(gate.dtype, gate_right.dtype, up_right.dtype)
     block_rg = block_r or _rank_block(gate_rank, cap=64)
     block_ru = block_r or _rank_block(up_rank, cap=64)
     # H200, one 2048-row chunk of I = 14336 from the halves of a bf16 [M, 2I], rank 16
