@@ -46,7 +46,8 @@ from .gated_act import _activation_and_derivative, _check_inputs
 from .lora_expand_add import expand_term
 
 _OP = "gated_act_lora_forward_"
-# From this many ranks (gate's or up's) on, the default launch takes 2 stages whatever the precision.
+# From this many ranks (gate's or up's) on, the default launch takes at least 2 stages whatever the
+# precision (3 past it with the bf16 term).
 GATED_FORWARD_STAGED_RANKS = 64
 
 
