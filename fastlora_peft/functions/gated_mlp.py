@@ -46,6 +46,7 @@ from .frozen_base import (
     materialize_weight,
     weight_is_materialized_fresh,
 )
+from .function_apply import apply_function, direct_apply
 from .shared_input import (
     WeightGradProblem,
     base_outputs,
@@ -426,6 +427,8 @@ _SAVED_BEFORE_PRE_ACTIVATIONS = 5
 # The Function's bodies by call metadata, replayed without their decisions (`call_traces`).
 _FORWARD_TRACES = call_traces("gated_mlp_forward")
 _BACKWARD_TRACES = call_traces("gated_mlp_backward")
+# The Function's C apply, called without `Function.apply`'s wrapper where it does nothing.
+_APPLY = direct_apply(LoraGatedMlpFunction)
 
 
 def fused_gated_mlp(
@@ -442,4 +445,4 @@ def fused_gated_mlp(
             GatedMlpSettings.chunk_bytes, GatedMlpSettings.overwrite_saved_preactivations,
             GatedMlpSettings.call_traces,
         )  # fmt: skip
-        return LoraGatedMlpFunction.apply(x, plan, activation, settings, layout, *tensors)
+        return apply_function(LoraGatedMlpFunction, _APPLY, x, plan, activation, settings, layout, *tensors)

@@ -37,6 +37,7 @@ from ..kernels.lora_terms import (
 from ..kernels.lora_weight_grad_group import lora_weight_grads
 from .augmented_k import augmented_grad_x, augmented_member, augmented_weight, padded_width
 from .frozen_base import FrozenBase, LoraWeights, base_out_features, materialize_weight
+from .function_apply import apply_function, direct_apply
 from .group_gemms import grouped_4bit_weights, grouped_forward, summed_grad_x
 from .tensor_groups import flatten_tensors, unflatten_tensors, values_in_tensor_slots
 
@@ -516,6 +517,8 @@ class LoraSharedInputFunction(torch.autograd.Function):
 # The Function's bodies by call metadata, replayed without their decisions (`call_traces`).
 _FORWARD_TRACES = call_traces("shared_input_forward")
 _BACKWARD_TRACES = call_traces("shared_input_backward")
+# The Function's C apply, called without `Function.apply`'s wrapper where it does nothing.
+_APPLY = direct_apply(LoraSharedInputFunction)
 
 
 def fused_lora_projections(
@@ -531,4 +534,4 @@ def fused_lora_projections(
     """
     tensors, layout = flatten_tensors((tuple(bases), tuple(loras)))
     with autocast_off(x.device.type):
-        return LoraSharedInputFunction.apply(x, x_lora, plan, layout, *tensors)
+        return apply_function(LoraSharedInputFunction, _APPLY, x, x_lora, plan, layout, *tensors)
