@@ -323,6 +323,22 @@ def test_host_vs_gpu_smoke_prints_both_providers_host_columns():
     assert all("host alone fwd" in line and "back to back host" in line for line in lines)
 
 
+def test_host_proxy_smoke_reaches_the_stubbed_launches_in_both_arms():
+    # The CPU proxy's stubs must be what the library launches into (pointers as addresses, the
+    # Functions' traces replayed), and an A/B of a setting launches the same kernels in both arms.
+    setting = "fastlora_peft.call_traces:CallTraces.enabled=False"
+    command = [sys.executable, "-m", "benchmarks.host_proxy", "--smoke", "--ab", setting]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    rows = [line.split(":")[0].split() + [line.split(", ")[-1]] for line in done.stdout.splitlines()]
+    rows = [row for row in rows if row[-1].endswith("launches a step")]
+    assert [row[:2] for row in rows] == [[b, arm] for b in ("o", "qkv", "mlp") for arm in ("A", "B")], rows
+    for arm_a, arm_b in zip(rows[::2], rows[1::2]):
+        assert arm_a[-1] == arm_b[-1] and not arm_a[-1].startswith("0 "), rows
+    assert "tensors passed" in done.stdout and "0 tensors passed" in done.stdout
+
+
 def test_host_timers_smoke_times_the_fused_functions_of_each_case():
     command = [
         sys.executable,
