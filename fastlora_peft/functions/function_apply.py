@@ -3,8 +3,9 @@
 `torch.autograd.Function.apply` (Python) binds default arguments when the Function defines
 `setup_context` (ours do not) and, outside functorch transforms, rebuilds the argument tuple with any
 "dead" functorch wrapper unwrapped (a tensor left over from a finished `vmap`/`grad`) before it calls
-the C apply. That pass over every argument is a q/k/v group's 16 or a gated MLP's 17 at 2-3 us a call on
-the CPU machine, on the host time of steps bound by it. Our Functions call the C apply directly when
+the C apply. That pass over every argument (a q/k/v group's 16, a gated MLP's 17) and the wrapper's
+other work cost o_proj's and q/k/v's steps 4.5-6 us on the CPU proxy (fifty-seventh session), on host
+time that bounds those blocks on the GPU machine. Our Functions call the C apply directly when
 no transform is active, dynamo is not tracing (it recognises `Function.apply` by name and must see
 it), and neither activation is a functorch wrapper (the other arguments are the modules' own
 parameters and buffers; a dead wrapper among them would be a module built inside a finished
