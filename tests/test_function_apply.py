@@ -118,17 +118,21 @@ def test_transform_over_the_weights_alone_goes_through_function_apply(case, coun
     assert counted_apply[function] == 1
 
 
+def _dead_wrapper_of(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a functorch wrapper whose transform has finished (a "dead" wrapper)."""
+    kept = []
+    torch.func.grad(lambda t: (kept.append(t * 1), t.sum())[1])(x)
+    assert torch._C._functorch.is_functorch_wrapped_tensor(kept[0])
+    return kept[0]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_dead_functorch_wrapper_goes_through_function_apply(case, counted_apply):
     # A tensor left over from a finished transform: `Function.apply` unwraps it; the C apply would not.
     run, shapes, function, _ = CASES[case]
     bases, loras = _pairs(shapes)
     x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
-    kept = []
-    torch.func.grad(lambda t: (kept.append(t * 1), t.sum())[1])(x)
-    dead = kept[0]
-    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
-    loss = run(dead, bases, loras)
+    loss = run(_dead_wrapper_of(x), bases, loras)
     assert counted_apply[function] == 1
     assert torch.equal(loss, run(x.clone(), bases, loras))
 
@@ -138,10 +142,8 @@ def test_shared_input_dropout_copy_wrapped_goes_through_function_apply(counted_a
     _, shapes, function, _ = CASES["qkv"]
     bases, loras = _pairs(shapes)
     x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
-    kept = []
-    torch.func.grad(lambda t: (kept.append(t * 1), t.sum())[1])(x)
     plan = plan_projection_dtypes(x.dtype, x.dtype, quantized=False, device_type="cpu")
-    outputs = fused_lora_projections(x, bases, loras, plan, x_lora=kept[0])
+    outputs = fused_lora_projections(x, bases, loras, plan, x_lora=_dead_wrapper_of(x))
     assert counted_apply[function] == 1
     expected = fused_lora_projections(x, bases, loras, plan, x_lora=x.clone())
     assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
