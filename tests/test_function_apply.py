@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FUSED_BACKWARD_NODE, MLP_BACKWARD_NODE
+from conftest import FUNCTION_LAYOUTS, FUSED_BACKWARD_NODE, MLP_BACKWARD_NODE
 
 from fastlora_peft.dtypes import plan_projection_dtypes
 from fastlora_peft.functions import gated_mlp, shared_input
@@ -83,6 +83,54 @@ def test_eager_call_takes_the_c_apply_and_matches_function_apply(case, counted_a
     assert torch.equal(loss, loss_wrapped)
     for grad, grad_wrapped in zip(grads, grads_wrapped):
         assert torch.equal(grad, grad_wrapped)
+
+
+def _layout_pairs(shapes, layout):
+    """Bases and random adapters of one dtype layout (4-bit bases quantized by bitsandbytes: feature
+    sizes are multiples of 64 for its CPU path)."""
+    dtype, adapter_dtype, quantized = layout
+    torch.manual_seed(0)
+    bases, loras = [], []
+    for in_features, out_features in shapes:
+        weight = torch.randn(out_features, in_features, dtype=dtype) / in_features**0.5
+        base = FrozenBase(weight, None, None)
+        if quantized:
+            import bitsandbytes.functional as bnb_functional
+
+            from fastlora_peft.kernels.dequant4bit import Quant4bitState
+
+            packed, state = bnb_functional.quantize_4bit(
+                weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+            )
+            base = FrozenBase(packed, None, Quant4bitState.from_bnb(state, packed))
+        bases.append(base)
+        lora_a = torch.randn(RANK, in_features, dtype=adapter_dtype, requires_grad=True)
+        lora_b = torch.randn(out_features, RANK, dtype=adapter_dtype, requires_grad=True)
+        loras.append(LoraWeights(lora_a, lora_b, 0.75))
+    return bases, loras
+
+
+@pytest.mark.parametrize("layout_id", list(FUNCTION_LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_layout_takes_the_c_apply_with_function_apply_results(
+    case, layout_id, counted_apply, monkeypatch
+):
+    # The choice of apply reads no dtype: in every layout the fused Function runs through the C apply
+    # and gives, bit for bit, what it gives through `Function.apply`.
+    run, _, function, node = CASES[case]
+    shapes = [(64, 64), (64, 64), (64, 128)] if case == "qkv" else [(64, 128), (64, 128), (128, 64)]
+    layout = FUNCTION_LAYOUTS[layout_id]
+    bases, loras = _layout_pairs(shapes, layout)
+    x = torch.randn(2, 5, 64, dtype=layout[0], requires_grad=True)
+    loss, grads = _grads(run, x, bases, loras)
+    assert counted_apply.get(function, 0) == 0
+    assert type(_single_output(run, x, bases, loras).grad_fn).__name__ == node
+    module = shared_input if function is LoraSharedInputFunction else gated_mlp
+    monkeypatch.setattr(module, "_APPLY", function.apply)
+    loss_wrapped, grads_wrapped = _grads(run, x, bases, loras)
+    assert counted_apply[function] == 1
+    assert torch.equal(loss, loss_wrapped)
+    assert all(torch.equal(g, w) for g, w in zip(grads, grads_wrapped))
 
 
 def _single_output(run, x, bases, loras):
