@@ -432,3 +432,105 @@ def test_host_vs_gpu_prefills_the_queue_ahead_of_every_step_only_when_asked(monk
     calls.clear()
     host_vs_gpu.event_times(step, 2, clock)
     assert not [call for call in calls if call[0] == "sleep"]
+
+
+def _zero_valued_lora_term(v, lora_a, lora_b, scale):
+    """s (v A^T) B^T minus itself detached: adds 0 to the output, passes A's and B's gradients, and
+    none to v (v comes in detached): the LoRA pieces at the base's own activations and gradients."""
+    term = scale * (v @ lora_a.T) @ lora_b.T
+    return term - term.detach()
+
+
+def _mm_count(step) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                CountMatmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountMatmuls():
+        step()
+    return CountMatmuls.count
+
+
+def _bound_reference(block: str, t: dict, scale: float) -> dict:
+    """Autograd of the block with its LoRA terms at value zero: the base's outputs and dX (the terms
+    add nothing to either), the adapters' gradients, by the names `bounds.ideal_arms` gives them."""
+    x = t["x"]
+    if block == "o":
+        outs = [x @ t["w"].T + _zero_valued_lora_term(x.detach(), t["a"], t["b"], scale)]
+        torch.autograd.backward(outs, [t["dy"]])
+        pieces = {"dA": t["a"].grad, "dB": t["b"].grad}
+    elif block == "qkv":
+        outs = [
+            x @ t[f"w_{n}"].T + _zero_valued_lora_term(x.detach(), t[f"a_{n}"], t[f"b_{n}"], scale)
+            for n in "qkv"
+        ]
+        torch.autograd.backward(outs, [t[f"dy_{n}"] for n in "qkv"])
+        pieces = {
+            "dA": torch.cat([t[f"a_{n}"].grad for n in "qkv"]),
+            "dB": torch.cat([t[f"b_{n}"].grad for n in "qkv"]),
+        }
+    else:
+        gate = x @ t["w_gate"].T + _zero_valued_lora_term(x.detach(), t["a_gate"], t["b_gate"], scale)
+        up = x @ t["w_up"].T + _zero_valued_lora_term(x.detach(), t["a_up"], t["b_up"], scale)
+        hidden = torch.nn.functional.silu(gate) * up
+        down_term = _zero_valued_lora_term(hidden.detach(), t["a_down"], t["b_down"], scale)
+        outs = [hidden @ t["w_down"].T + down_term]
+        torch.autograd.backward(outs, [t["dy"]])
+        pieces = {
+            "dA_gate_up": torch.cat([t["a_gate"].grad, t["a_up"].grad]),
+            "dB_gate": t["b_gate"].grad,
+            "dB_up": t["b_up"].grad,
+            "dB_down": t["b_down"].grad,
+            "dyB_down": scale * t["dy"] @ t["b_down"].detach(),
+        }
+    return {"out": torch.cat([out.detach() for out in outs], 1), "dx": x.grad, **pieces}
+
+
+def test_bounds_ideal_arms_compute_the_lora_gradients_they_stand_for():
+    # The bound is only as good as its arms: each "ideal" must compute every adapter gradient its
+    # block needs (one skipped would understate the bound) and no GEMM beyond the floor's and
+    # LoRA's own passes (one more would overstate it). Checked in float64 against autograd of the
+    # block with its LoRA terms at value zero: the ideal carries the terms for free.
+    from benchmarks import bounds, cases
+
+    geo, tokens, cpu = cases.SMOKE, 37, torch.device("cpu")
+    expected_matmuls = {
+        "o floor ops": 2, "o ideal": 6, "qkv floor ops": 6, "qkv ideal": 14,
+        "mlp floor ops": 6, "mlp ideal": 14, "mlp ideal free dgdu": 10,
+    }  # fmt: skip
+    for block in cases.BLOCKS:
+        tensors = bounds.block_tensors(block, geo, tokens, cpu, torch.float64)
+        tensors = {
+            k: v.requires_grad_(k.startswith(("x", "a_", "b_")) or k in ("a", "b"))
+            for k, v in tensors.items()
+        }
+        reference = _bound_reference(block, tensors, geo.alpha / geo.rank)
+        for name, step in bounds.ideal_arms(block, geo, tokens, cpu, torch.float64).items():
+            computed = step()
+            if "floor" in name:
+                wanted = ("out", "dx")
+            elif "free dgdu" in name:  # its dA reads the forward's xa where dgate B | dup B would be
+                wanted = ("out", "dx", "dB_down", "dyB_down")
+            else:
+                wanted = tuple(reference)
+            for key in wanted:
+                torch.testing.assert_close(computed[key], reference[key], rtol=1e-9, atol=1e-12, msg=key)
+            assert _mm_count(step) == expected_matmuls[name], name
+
+
+def test_bounds_smoke_times_every_arm_beside_the_floor():
+    command = [sys.executable, "-m", "benchmarks.bounds", "--smoke", "--rounds", "1", "--iters", "1"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [line[:28].strip() for line in done.stdout.splitlines() if line.endswith("x")]
+    for block in ("o", "qkv", "mlp"):
+        arms = ["floor", "fastlora bf16-adapters", "fastlora fp32-adapters", "floor ops", "ideal"]
+        arms += ["ideal free dgdu"] if block == "mlp" else []
+        assert [n for n in names if n.split()[0] == block] == [f"{block} {arm}" for arm in arms], names
