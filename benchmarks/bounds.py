@@ -92,7 +92,8 @@ def ideal_arms(
 ) -> dict[str, Callable[[], dict[str, torch.Tensor]]]:
     """The block's "floor ops" and "ideal" steps (and the MLP's "ideal free dgdu") on `block_tensors`.
 
-    Each call runs one step and returns what it computed, by name: `out` (the base outputs), `dx`
+    Each call runs one step and returns what it computed, by name: `out` (the base outputs; q/k/v's
+    a list of three: a cat in the step would cost a pass over them), `dx`
     (dX without its LoRA term), and the adapters' gradients it makes (`dA`, `dB`, `dA_gate_up`, ...,
     each in the layout of its parameter; q/k/v's stacked by rows).
     """
@@ -126,7 +127,7 @@ def ideal_arms(
             outs = [x @ w.T for w in ws]
             dx = dys[0] @ ws[0]
             dx.addmm_(dys[1], ws[1]).addmm_(dys[2], ws[2])
-            return {"out": torch.cat(outs, 1), "dx": dx}
+            return {"out": outs, "dx": dx}
 
         def ideal():
             outs = [x @ w.T for w in ws]
@@ -135,7 +136,7 @@ def ideal_arms(
             dx.addmm_(dys[1], ws[1]).addmm_(dys[2], ws[2])
             dyb = torch.cat([dy @ b for dy, b in zip(dys, b_scaled)], 1)
             d_b = [dy.T @ xa[:, i * rank : (i + 1) * rank] for i, dy in enumerate(dys)]
-            return {"out": torch.cat(outs, 1), "dx": dx, "dA": dyb.T @ x, "dB": torch.cat(d_b, 0)}
+            return {"out": outs, "dx": dx, "dA": dyb.T @ x, "dB": torch.cat(d_b, 0)}
 
         return {"qkv floor ops": floor, "qkv ideal": ideal}
 
