@@ -25,8 +25,9 @@ whose LoRA passes run at cuBLAS's rates can meet it: going under needs those pas
 kernels that already read the same tensors. `ideal_arms(...)[name]()` returns the tensors it
 computed (tests/test_benchmark_tools.py checks them against autograd on the CPU).
 
-Every arm: CUDA events around `--iters` back-to-back steps (no synchronize inside), rounds
-interleaved, the order reversed every other round; the median of the rounds' ms a step. On an H100
+Every arm is timed as the blocks suite times its rows (`harness.time_side_by_side`: CUDA events
+around each step, `--iters` steps back to back a round, the rounds interleaved and reversed every
+other round, the median over all steps; spread: the rounds' medians apart). On an H100
 the clock moves with the power drawn, so only the interleaved timings compare arms; a profile
 (`--profile`) runs its arms one after the other, and its kernel times carry that drift.
 `--smoke`: the CPU smoke shapes, the host clock (tests).
@@ -35,8 +36,6 @@ the clock moves with the power drawn, so only the interleaved timings compare ar
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from fastlora_peft.kernels.gated_act import gated_act_backward_, gated_act_forward
 
 from . import cases
-from .harness import run_once
+from .harness import Clock, Step, run_once, time_side_by_side
 
 
 def block_tensors(
@@ -199,42 +198,13 @@ def _profile(name: str, step: Callable[[], object], rows: int) -> None:
     print(flush=True)
 
 
-def _time_arms(
-    arms: dict[str, Callable[[], object]], rounds: int, iters: int, cuda: bool
-) -> dict[str, list[float]]:
-    samples: dict[str, list[float]] = {name: [] for name in arms}
-    names = list(arms)
-    for round_index in range(rounds):
-        for name in names if round_index % 2 == 0 else names[::-1]:
-            step = arms[name]
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                for _ in range(iters):
-                    step()
-                end.record()
-                torch.cuda.synchronize()
-                samples[name].append(start.elapsed_time(end) / iters)
-            else:
-                begin = time.perf_counter()
-                for _ in range(iters):
-                    step()
-                samples[name].append((time.perf_counter() - begin) * 1e3 / iters)
-    return samples
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="o,qkv,mlp")
-    parser.add_argument(
-        "--tokens", type=int, default=cases.LLAMA_8B.tokens, help="batch 1 of this many tokens"
-    )
+    parser.add_argument("--tokens", type=int, default=cases.LLAMA_8B.tokens, help="batch 1 of this many")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument(
-        "--profile", default="", help="comma-separated arm names: a kernel profile of 5 steps each"
-    )
+    parser.add_argument("--iters", type=int, default=10, help="steps a round, back to back")
+    parser.add_argument("--profile", default="", help="arm names, comma-separated: 5 steps of each profiled")
     parser.add_argument("--rows", type=int, default=30, help="kernels listed per profile")
     parser.add_argument("--smoke", action="store_true", help="the CPU smoke shapes, the host clock")
     args = parser.parse_args(argv)
@@ -244,29 +214,24 @@ def main(argv: list[str] | None = None) -> None:
     tokens = args.tokens if cuda else geo.sweep_rank_tokens
     print(torch.cuda.get_device_name() if cuda else "cpu", f"{tokens} tokens, rank {geo.rank}", flush=True)
     for block in args.blocks.split(","):
-        arms: dict[str, Callable[[], object]] = {}
+        steps: dict[str, Step] = {}
         for provider, adapters in (("floor", "bf16"), ("fastlora", "bf16"), ("fastlora", "fp32")):
-            step = cases.one_layer_block_step(geo, block, provider, "bf16", adapters, tokens, device)
             name = f"{block} {provider}" + ("" if provider == "floor" else f" {adapters}-adapters")
-            arms[name] = lambda step=step: run_once(step)
-        arms.update(ideal_arms(block, geo, tokens, device))
-        for step in arms.values():  # warm-up: compiles, autotunes, cuBLAS handles
-            for _ in range(3):
-                step()
-        for name in (n for n in args.profile.split(",") if n in arms and cuda):
-            _profile(name, arms[name], args.rows)
-        samples = _time_arms(arms, args.rounds, args.iters, cuda)
-        floor = statistics.median(samples[f"{block} floor"])
-        print(
-            f"-- {block}, {tokens} tokens: ms a step (median of {args.rounds} rounds; min - max), x the floor"
-        )
-        for name, values in samples.items():
-            median = statistics.median(values)
-            print(
-                f"{name:28s} {median:8.3f}  ({min(values):.3f} - {max(values):.3f})  {median / floor:6.3f}x",
-                flush=True,
-            )
-        del arms, samples
+            steps[name] = cases.one_layer_block_step(geo, block, provider, "bf16", adapters, tokens, device)
+        for name, bare in ideal_arms(block, geo, tokens, device).items():
+            steps[name] = Step(forward=bare, backward=lambda _: None)
+        for name in (n for n in args.profile.split(",") if n in steps and cuda):
+            _profile(name, lambda step=steps[name]: run_once(step), args.rows)
+        # The blocks suite's timing: events around each step's halves, rounds interleaved and reversed
+        # every other round, the median over every step of every round.
+        timings = time_side_by_side(steps, Clock(device), warmup=3, repeats=args.iters, rounds=args.rounds)
+        floor = timings[f"{block} floor"].step_ms
+        rounds = f"{args.rounds} rounds of {args.iters}"
+        print(f"-- {block}, {tokens} tokens: ms a step ({rounds}; median, spread), x the floor")
+        for name, timing in timings.items():
+            spread = f"{timing.spread_pct:5.1f}%"
+            print(f"{name:28s} {timing.step_ms:8.3f}  {spread}  {timing.step_ms / floor:6.3f}x", flush=True)
+        del steps, timings
         cases.free_memory()
 
 
